@@ -1,0 +1,1 @@
+"""Shared pieces of MonoBeast and PolyBeast: the parts a researcher edits."""
