@@ -1,0 +1,125 @@
+"""Checkpoints that survive a crash mid-write and load without running pickled code.
+
+A checkpoint is a dict of plain values and tensors, e.g.::
+
+    {"model_state_dict": ..., "optimizer_state_dict": ..., "scheduler_state_dict": ...,
+     "step": int, "flags": plain_flags(flags), "episode_stats": EpisodeStats.state_dict()}
+
+It is written to a temporary file beside the target and renamed over it, so the
+previous checkpoint stays whole until the new one is complete; it is read with
+``torch.load(..., weights_only=True)``, which only rebuilds tensors and plain types.
+"""
+
+import os
+import tempfile
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or does not fit the flags given."""
+
+
+# What weights_only loading can rebuild. Containers are checked recursively.
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.device)
+
+
+def _check_plain(obj, where):
+    """Raises CheckpointError naming the first value weights_only loading would refuse."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_plain(key, f"{where} key {key!r}")
+            _check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            _check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise CheckpointError(
+            f"checkpoint value state{where} has type {type(obj).__name__}, which "
+            "torch.load(weights_only=True) cannot read back; convert it to a plain "
+            "Python value (int, float, str, list, dict) or a tensor first"
+        )
+
+
+def plain_flags(flags):
+    """vars(flags) with every value that is not None/bool/int/float/str turned into str."""
+    items = flags.items() if isinstance(flags, dict) else vars(flags).items()
+    return {
+        key: value if isinstance(value, (type(None), bool, int, float, str)) else str(value)
+        for key, value in items
+    }
+
+
+def save_checkpoint(path, state):
+    """Writes state (a dict of plain values and tensors) to path, atomically.
+
+    Either the whole new checkpoint is at path afterwards, or (on any error,
+    including a crash) the previous file is there unchanged.
+    """
+    _check_plain(state, "")
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data must be on disk before the rename points at it
+        os.replace(tmp_path, path)
+    except BaseException:
+        os.remove(tmp_path)
+        raise
+    try:
+        # Makes the rename itself durable; not possible on every platform.
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Reads a checkpoint written by save_checkpoint; returns its dict.
+
+    Raises CheckpointError if the file is missing or cannot be read.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read the checkpoint {path} ({type(e).__name__}: {e}). It may be "
+            "truncated or not written by this code; move it away to start afresh, "
+            "or pass a new --xpid"
+        ) from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def check_compatible(checkpoint_flags, flags, keys=("env", "model", "use_lstm", "hidden_size")):
+    """Raises CheckpointError listing every key in `keys` whose value differs.
+
+    Args:
+        checkpoint_flags: dict of the flags the checkpoint was trained with.
+        flags: argparse.Namespace (or dict) of the flags given now.
+        keys: the flags that must match for the checkpoint to be usable.
+    """
+    given = flags if isinstance(flags, dict) else vars(flags)
+    missing = "(not set)"
+    problems = []
+    for key in keys:
+        old = checkpoint_flags.get(key, missing)
+        new = given.get(key, missing)
+        if old != new:
+            problems.append(f"checkpoint was trained with --{key} {old}, you gave --{key} {new}")
+    if problems:
+        raise CheckpointError(
+            "the checkpoint does not fit the flags given:\n  "
+            + "\n  ".join(problems)
+            + "\npass the same flags to resume, or a new --xpid to start a fresh run"
+        )

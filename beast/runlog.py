@@ -1,0 +1,368 @@
+"""Everything a run writes besides checkpoints: its directory, flags and metadata,
+logs.csv, TensorBoard scalars, and the one-line status on the terminal.
+
+Layout of a run directory (``savedir/xpid/``)::
+
+    flags.json      the flags of the latest start (older starts: flags.json.1, .2, ...)
+    meta.json       code version, package versions, host, start time, command line
+    logs.csv        one row per logging point: _time, step, then the stats
+    tensorboard/    the same scalars as TensorBoard events
+    model.tar       the checkpoint (written by beast.checkpoint)
+"""
+
+import collections
+import csv
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be created or written."""
+
+
+class RunDir:
+    """The directory ``savedir/xpid`` that holds everything a run writes.
+
+    Args:
+        savedir: parent directory of all runs; ``~`` is expanded.
+        xpid: name of this run. None picks a fresh name "beast-YYYYmmdd-HHMMSS"
+            (with a "-2", "-3", ... suffix if that directory already exists).
+            An existing run directory is reused, which is how a run is resumed.
+    """
+
+    def __init__(self, savedir, xpid=None):
+        savedir = os.path.abspath(os.path.expanduser(str(savedir)))
+        if xpid is None:
+            xpid = time.strftime("beast-%Y%m%d-%H%M%S")
+            base, n = xpid, 1
+            # Two runs started in the same second must not share a directory.
+            while os.path.exists(os.path.join(savedir, xpid)):
+                n += 1
+                xpid = f"{base}-{n}"
+        self.xpid = xpid
+        self.path = os.path.join(savedir, xpid)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            # makedirs succeeds on a read-only existing directory; only a write tells.
+            probe = os.path.join(self.path, f".write_test.{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise RunDirError(
+                f"cannot write the run directory {self.path}: "
+                f"{e.strerror or e}. Pass a writable --savedir (or another --xpid)."
+            ) from e
+
+    @property
+    def flags_path(self):
+        return os.path.join(self.path, "flags.json")
+
+    @property
+    def meta_path(self):
+        return os.path.join(self.path, "meta.json")
+
+    @property
+    def logs_path(self):
+        return os.path.join(self.path, "logs.csv")
+
+    @property
+    def checkpoint_path(self):
+        return os.path.join(self.path, "model.tar")
+
+    @property
+    def tb_dir(self):
+        return os.path.join(self.path, "tensorboard")
+
+    def __repr__(self):
+        return f"RunDir({self.path!r})"
+
+
+def _keep_old(path):
+    """Renames an existing file to path.1 (or .2, ...) so a resume never overwrites it."""
+    if not os.path.exists(path):
+        return
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+
+
+def _git(args, cwd):
+    try:
+        result = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None  # no git installed, or it hung
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _write_json(path, obj):
+    with open(path, "w") as f:
+        # default=str: a flag of an unusual type is recorded rather than crashing the run.
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+
+
+def write_metadata(run_dir, flags):
+    """Writes flags.json (vars(flags)) and meta.json into run_dir.
+
+    On a resume the files of the earlier start are kept as flags.json.1,
+    meta.json.1 (then .2, ...), so the history of a run is never lost.
+    Returns the metadata dict.
+    """
+    code_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _git(["rev-parse", "HEAD"], code_dir)
+    # Tracked files only: a savedir or scratch files inside the checkout are not code changes.
+    status = _git(["status", "--porcelain", "--untracked-files=no"], code_dir)
+    now = datetime.datetime.now().astimezone()
+    meta = {
+        "git_commit": commit,  # None when the code is not in a git checkout
+        "git_dirty": None if status is None else bool(status),
+        "code_dir": code_dir,
+        "versions": {
+            "python": platform.python_version(),
+            **{p: _version(p) for p in ("torch", "numpy", "gymnasium", "ale_py")},
+        },
+        "hostname": socket.gethostname(),
+        "start_time": now.isoformat(timespec="seconds"),
+        "start_unix": now.timestamp(),
+        "command": [sys.executable, *sys.argv],
+        "cwd": os.getcwd(),
+    }
+    flags_dict = flags if isinstance(flags, dict) else vars(flags)
+    for path, obj in ((run_dir.flags_path, flags_dict), (run_dir.meta_path, meta)):
+        _keep_old(path)
+        _write_json(path, obj)
+    return meta
+
+
+def _scalar(value):
+    """A tensor or NumPy scalar as a Python number; anything else unchanged."""
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class StatsLogger:
+    """Appends stats to logs.csv and to TensorBoard.
+
+    logs.csv columns are ``_time`` (wall clock, seconds since the epoch), ``step``,
+    then the stats keys, sorted. When a key appears that is not a column yet
+    (e.g. the first evaluation result), the file is rewritten once with the
+    wider header, atomically; earlier rows get an empty cell there. On a resume
+    the existing file is appended to with its own header, so nothing is lost.
+    (Rows logged after the last checkpoint of the earlier start stay in the
+    file, so a step may appear twice after a resume.)
+
+    Args:
+        run_dir: a RunDir.
+        use_tensorboard: also write the numeric stats as TensorBoard scalars.
+    """
+
+    def __init__(self, run_dir, use_tensorboard=True):
+        self.path = run_dir.logs_path
+        self._fieldnames = None
+        if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            with open(self.path, newline="") as f:
+                self._fieldnames = next(csv.reader(f))
+        self._tb = None
+        if use_tensorboard:
+            # Imported here: it is slow to import and plotting never needs it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=run_dir.tb_dir)
+
+    def log(self, step, stats):
+        """Writes one row; stats maps names to numbers (or 0-d tensors, or strings)."""
+        step = int(step)
+        row = {k: _scalar(v) for k, v in stats.items() if k not in ("_time", "step")}
+        row["_time"] = time.time()
+        row["step"] = step
+        if self._fieldnames is None:
+            self._fieldnames = ["_time", "step", *sorted(k for k in row if k not in ("_time", "step"))]
+            with open(self.path, "w", newline="") as f:
+                csv.writer(f).writerow(self._fieldnames)
+        else:
+            new_keys = sorted(k for k in row if k not in self._fieldnames)
+            if new_keys:
+                self._widen(new_keys)
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self._fieldnames, restval="").writerow(row)
+        if self._tb is not None:
+            for key, value in row.items():
+                if key == "_time" or isinstance(value, str) or value is None:
+                    continue
+                if not math.isnan(value):  # nan before the first episode ends
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+
+    def _widen(self, new_keys):
+        """Rewrites logs.csv with new columns appended to the header."""
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+        self._fieldnames = self._fieldnames + new_keys
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(self._fieldnames)
+            writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)  # a crash here leaves the old file whole
+
+    def close(self):
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_logs(path):
+    """Reads a logs.csv into a list of dicts, one per row.
+
+    Numbers become floats, an empty cell (a column added later) becomes nan,
+    anything else stays a string.
+    """
+    rows = []
+    with open(path, newline="") as f:
+        for record in csv.DictReader(f):
+            row = {}
+            for key, value in record.items():
+                if value is None or value == "":
+                    row[key] = math.nan
+                    continue
+                try:
+                    row[key] = float(value)
+                except ValueError:
+                    row[key] = value
+            rows.append(row)
+    return rows
+
+
+class EpisodeStats:
+    """Returns and lengths of the last `window` finished episodes."""
+
+    def __init__(self, window=100):
+        self.returns = collections.deque(maxlen=window)
+        self.lengths = collections.deque(maxlen=window)
+        self.count = 0  # all episodes ever finished, not just the window
+
+    def add(self, returns, lengths):
+        """Records finished episodes; returns and lengths are sequences (lists, 1-d tensors)."""
+        returns = [float(_scalar(r)) for r in returns]
+        lengths = [int(_scalar(n)) for n in lengths]
+        if len(returns) != len(lengths):
+            raise ValueError(f"got {len(returns)} returns but {len(lengths)} lengths")
+        self.returns.extend(returns)
+        self.lengths.extend(lengths)
+        self.count += len(returns)
+
+    def mean_return(self):
+        return sum(self.returns) / len(self.returns) if self.returns else math.nan
+
+    def mean_length(self):
+        return sum(self.lengths) / len(self.lengths) if self.lengths else math.nan
+
+    def state_dict(self):
+        """Plain lists and ints, so it can go into a checkpoint."""
+        return {"returns": list(self.returns), "lengths": list(self.lengths), "count": self.count}
+
+    def load_state_dict(self, state):
+        self.returns.clear()
+        self.lengths.clear()
+        self.returns.extend(state["returns"])
+        self.lengths.extend(state["lengths"])
+        self.count = state["count"]
+
+
+class StatusLine:
+    """Progress on one line: step/total (percent), SPS, mean return and losses.
+
+    On a terminal the line is redrawn in place (at most every `tty_interval`
+    seconds). Elsewhere (CI logs, files) a plain line is printed at most every
+    `interval` seconds, so a long run does not flood the log.
+
+    SPS is measured between two printed lines. Of the stats given to update(),
+    the line shows mean_episode_return and every key containing "loss".
+
+    Args:
+        total_steps: the step count at which the run ends.
+        stream: where to write; default sys.stderr.
+        interval: seconds between lines when stream is not a terminal.
+        tty_interval: seconds between redraws on a terminal.
+        clock: time source in seconds (replaceable in tests).
+    """
+
+    def __init__(self, total_steps, stream=None, interval=30.0, tty_interval=0.2, clock=time.monotonic):
+        self.total_steps = total_steps
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.is_tty = bool(isatty and isatty())
+        self.interval = tty_interval if self.is_tty else interval
+        self._clock = clock
+        self._last_time = clock()
+        self._last_step = None
+        self._text = ""
+        self._closed = False
+
+    def _format(self, step, stats, sps):
+        percent = 100.0 * step / self.total_steps if self.total_steps else 0.0
+        parts = [f"step {step}/{self.total_steps} ({percent:.1f}%)", f"SPS {sps:.0f}"]
+        if "mean_episode_return" in stats:
+            parts.append(f"return {_scalar(stats['mean_episode_return']):.2f}")
+        for key, value in stats.items():
+            if "loss" in key:
+                parts.append(f"{key} {_scalar(value):.4g}")
+        return " | ".join(parts)
+
+    def update(self, step, stats=None):
+        """Shows the new step, if the last line is old enough."""
+        if self._closed:
+            return
+        now = self._clock()
+        if self._last_step is None:
+            self._last_step = step  # SPS needs a starting point
+        if now - self._last_time < self.interval:
+            return
+        sps = (step - self._last_step) / (now - self._last_time)
+        self._last_time, self._last_step = now, step
+        self._text = self._format(step, stats or {}, sps)
+        if self.is_tty:
+            width = shutil.get_terminal_size().columns - 1
+            # A line longer than the terminal wraps, and "\r" then only redraws its tail.
+            self.stream.write("\r" + self._text[:width].ljust(width))
+        else:
+            self.stream.write(self._text + "\n")
+        self.stream.flush()
+
+    def close(self):
+        """Ends the line; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_tty and self._text:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,360 @@
+// The actor pool: one C++ thread per environment server.
+//
+//   env server --Step--> actor thread --compute((env_outputs, agent_state))--> DynamicBatcher
+//       ^                  |     <------- (agent_outputs, agent_state) -------- (inference thread)
+//       +----Action--------+
+//                          +--every unroll_length steps: (rollout, initial_agent_state)--> learner queue
+//
+// Each step is the dict env_outputs + agent_outputs with arrays of shape
+// [1, 1, ...] ([T=1, B=1, ...]); a rollout stacks unroll_length + 1 of them
+// along dim 0 into [T+1, 1, ...]. Its last step is step 0 of the next rollout
+// (the overlap that the bootstrap needs), and initial_agent_state is the agent
+// state before step 0.
+//
+// A server that goes away is not an error: the actor logs one line, drops the
+// rollout in progress, reconnects (gRPC backoff, 100 ms doubling up to 2 s)
+// and starts over with a fresh agent state. Only a server unreachable for
+// connect_timeout_s, or a bad answer from inference, is fatal: the first such
+// error closes both queues (so every other thread ends) and run() rethrows it.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "batching_queue.h"
+#include "dynamic_batcher.h"
+#include "nest.h"
+#include "rpcenv.grpc.pb.h"
+
+namespace beast {
+
+class ActorPool {
+ public:
+  ActorPool(int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
+            std::shared_ptr<DynamicBatcher> inference_batcher,
+            std::vector<std::string> env_server_addresses, Nest initial_agent_state,
+            double connect_timeout_s)
+      : unroll_length_(unroll_length),
+        learner_queue_(std::move(learner_queue)),
+        inference_batcher_(std::move(inference_batcher)),
+        addresses_(std::move(env_server_addresses)),
+        initial_agent_state_(std::move(initial_agent_state)),
+        connect_timeout_(std::chrono::duration<double>(connect_timeout_s)) {
+    if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
+    if (!learner_queue_ || !inference_batcher_) {
+      throw std::invalid_argument("learner_queue and inference_batcher are required");
+    }
+    if (connect_timeout_s <= 0) throw std::invalid_argument("connect_timeout_s must be > 0");
+  }
+  // run() has joined every thread before the pool can be destroyed.
+  ~ActorPool() { close(); }
+
+  // Runs one actor thread per address and joins them. Returns when the queues
+  // or the pool are closed; rethrows the first fatal actor error. Calls
+  // check_interrupt (if given) every 100 ms; if it throws, everything is
+  // closed and its exception is rethrown after the join.
+  void run(const std::function<void()>& check_interrupt = nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (started_) throw std::runtime_error("ActorPool.run() can only be called once");
+      started_ = true;
+      running_ = addresses_.size();
+    }
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < addresses_.size(); ++i) {
+      threads.emplace_back(&ActorPool::actor_loop, this, i);
+    }
+    std::exception_ptr interrupt;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (running_ > 0) {
+      all_done_.wait_for(lock, std::chrono::milliseconds(100));
+      lock.unlock();
+      // Queues closed from outside: also cancel streams to servers that hang.
+      if (stopping()) close();
+      if (check_interrupt && !interrupt) {
+        try {
+          check_interrupt();
+        } catch (...) {
+          interrupt = std::current_exception();
+          close_all();
+        }
+      }
+      lock.lock();
+    }
+    lock.unlock();
+    for (std::thread& thread : threads) thread.join();
+    if (interrupt) std::rethrow_exception(interrupt);
+    lock.lock();
+    if (first_error_) std::rethrow_exception(first_error_);
+  }
+
+  // Idempotent. Stops the actor threads without closing the queues: streams
+  // are cancelled at once; an actor waiting on a queue stops when it returns.
+  void close() {
+    closed_ = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (grpc::ClientContext* context : live_contexts_) {
+      if (context) context->TryCancel();
+    }
+  }
+
+  // Environment steps taken by all actors so far.
+  int64_t count() const { return count_.load(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // Registers the stream of actor `index` so that close() can cancel it.
+  class LiveStream {
+   public:
+    LiveStream(ActorPool* pool, size_t index, grpc::ClientContext* context)
+        : pool_(pool), index_(index) {
+      std::lock_guard<std::mutex> lock(pool_->mu_);
+      pool_->live_contexts_[index_] = context;
+      if (pool_->closed_) context->TryCancel();
+    }
+    ~LiveStream() {
+      std::lock_guard<std::mutex> lock(pool_->mu_);
+      pool_->live_contexts_[index_] = nullptr;
+    }
+
+   private:
+    ActorPool* pool_;
+    size_t index_;
+  };
+
+  bool stopping() const {
+    return closed_ || learner_queue_->is_closed() || inference_batcher_->is_closed();
+  }
+
+  void close_all() {
+    learner_queue_->close();
+    inference_batcher_->close();
+    close();
+  }
+
+  void log(size_t index, const std::string& message) const {
+    std::fprintf(stderr, "[ActorPool] actor %zu (%s): %s\n", index, addresses_[index].c_str(),
+                 message.c_str());
+  }
+
+  void sleep_unless_stopping(Clock::duration duration) const {
+    auto until = Clock::now() + duration;
+    while (!stopping() && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  void actor_loop(size_t index) {
+    try {
+      grpc::ChannelArguments args;
+      // A local subchannel pool keeps this channel's reconnect backoff its own.
+      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+      args.SetMaxReceiveMessageSize(-1);  // large observations
+      args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);  // env servers are never behind an HTTP proxy
+      auto channel =
+          grpc::CreateCustomChannel(addresses_[index], grpc::InsecureChannelCredentials(), args);
+      auto stub = rpcenv::RPCEnvServer::NewStub(channel);
+
+      Clock::time_point last_contact = Clock::now();
+      Clock::duration backoff = std::chrono::milliseconds(100);
+      std::string trouble;  // why the last stream ended; empty before the first
+      while (!stopping()) {
+        if (Clock::now() - last_contact > connect_timeout_) {
+          std::ostringstream message;
+          message << "could not reach the env server for " << connect_timeout_.count() << " s";
+          if (!trouble.empty()) message << " (last problem: " << trouble << ")";
+          throw std::runtime_error(message.str());
+        }
+        auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
+        if (!channel->WaitForConnected(deadline)) continue;
+        bool got_steps = false;
+        trouble = run_stream(index, stub.get(), !trouble.empty(), &got_steps);
+        if (stopping()) break;
+        if (got_steps) {
+          last_contact = Clock::now();
+          backoff = std::chrono::milliseconds(100);
+          log(index, "lost the env server (" + trouble + "); reconnecting");
+        } else {
+          // Connected but the stream failed at once (e.g. the env failed to start).
+          sleep_unless_stopping(backoff);
+          backoff = std::min<Clock::duration>(2 * backoff, std::chrono::seconds(2));
+        }
+      }
+    } catch (const ClosedBatchingQueue&) {
+      // The queues were closed: a normal shutdown.
+    } catch (const std::exception& e) {
+      fail(index, e.what());
+    } catch (...) {
+      fail(index, "unknown error");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+    }
+    all_done_.notify_all();
+  }
+
+  void fail(size_t index, const std::string& what) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!first_error_) {
+        first_error_ = std::make_exception_ptr(std::runtime_error(
+            "ActorPool: actor " + std::to_string(index) + " for env server '" +
+            addresses_[index] + "' failed: " + what));
+      }
+    }
+    log(index, "failed: " + what);
+    close_all();
+  }
+
+  // Steps one environment over one stream until the stream breaks, and says
+  // why it broke. Throws ClosedBatchingQueue on shutdown; other exceptions
+  // are fatal.
+  std::string run_stream(size_t index, rpcenv::RPCEnvServer::Stub* stub, bool reconnecting,
+                         bool* got_steps) {
+    grpc::ClientContext context;
+    LiveStream live(this, index, &context);
+    auto stream = stub->StreamingEnv(&context);
+    auto broken = [&stream]() -> std::string {
+      grpc::Status status = stream->Finish();
+      if (status.ok()) return "the server ended the stream";
+      return status.error_message() + ", gRPC code " + std::to_string(status.error_code());
+    };
+    try {
+      rpcenv::Step step;
+      if (!stream->Read(&step)) return broken();
+      *got_steps = true;
+      if (reconnecting) log(index, "reconnected");
+
+      Nest agent_state = initial_agent_state_;
+      int64_t last_action = 0;
+      std::vector<Nest> rollout;  // rollout[0] is the last step of the previous rollout
+      Nest rollout_state;         // the agent state before rollout[0]
+      while (true) {
+        Nest env_outputs = env_outputs_of(&step, last_action);
+        Nest answer = inference_batcher_->compute(Nest::tuple({env_outputs, agent_state}));
+        const Nest* agent_outputs = check_answer(answer);
+        if (rollout.empty()) rollout_state = agent_state;
+        rollout.push_back(merged(env_outputs, *agent_outputs));
+        if (static_cast<int64_t>(rollout.size()) == unroll_length_ + 1) {
+          learner_queue_->enqueue(Nest::tuple({concat(rollout, 0), rollout_state}));
+          rollout.erase(rollout.begin(), rollout.end() - 1);
+          rollout_state = agent_state;  // still the state before the overlapping step
+        }
+        last_action = to_int64(agent_outputs->fields.at("action").array, "agent output 'action'");
+        agent_state = std::move(answer.items[1]);
+
+        rpcenv::Action action;
+        action.set_action(static_cast<int32_t>(last_action));
+        if (!stream->Write(action) || !stream->Read(&step)) return broken();
+        count_.fetch_add(1);
+      }
+    } catch (...) {
+      context.TryCancel();
+      stream->Finish();
+      throw;
+    }
+  }
+
+  // The inference thread must answer (agent_outputs, agent_state) with an
+  // "action" among the agent outputs.
+  static const Nest* check_answer(const Nest& answer) {
+    bool ok = (answer.kind == Nest::Kind::kTuple || answer.kind == Nest::Kind::kList) &&
+              answer.items.size() == 2 && answer.items[0].kind == Nest::Kind::kDict &&
+              answer.items[0].fields.count("action") &&
+              answer.items[0].fields.at("action").kind == Nest::Kind::kArray;
+    if (!ok) {
+      throw std::invalid_argument(
+          "inference must answer (agent_outputs, agent_state) where agent_outputs is a dict "
+          "with an 'action' array");
+    }
+    return &answer.items[0];
+  }
+
+  static Nest merged(const Nest& env_outputs, const Nest& agent_outputs) {
+    Nest step = env_outputs;
+    for (const auto& [key, value] : agent_outputs.fields) {
+      if (!step.fields.emplace(key, value).second) {
+        throw std::invalid_argument("agent output '" + key + "' has the name of an env output");
+      }
+    }
+    return step;
+  }
+
+  // The inference inputs for one step, each array [1, 1, ...] ([T=1, B=1]).
+  // An array observation becomes "frame"; a dict observation is passed
+  // through key by key.
+  static Nest env_outputs_of(rpcenv::Step* step, int64_t last_action) {
+    auto leading_ones = [](Nest n, const std::string& name) {
+      if (n.kind != Nest::Kind::kArray) {
+        throw std::invalid_argument("observation entry '" + name + "' must be an array");
+      }
+      n.array.shape.insert(n.array.shape.begin(), {1, 1});
+      return n;
+    };
+    const std::vector<int64_t> one{1, 1};
+    Nest out = Nest::dict({});
+    auto& f = out.fields;
+    Nest observation = nest_from_proto(step->mutable_observation(), "observation");
+    if (observation.kind == Nest::Kind::kArray) {
+      f["frame"] = leading_ones(std::move(observation), "frame");
+    } else if (observation.kind == Nest::Kind::kDict) {
+      for (auto& [key, value] : observation.fields) f[key] = leading_ones(std::move(value), key);
+    } else {
+      throw std::invalid_argument("the observation must be an array or a dict of arrays");
+    }
+    auto put = [&f](const std::string& key, Array a) {
+      if (!f.emplace(key, Nest::of(std::move(a))).second) {
+        throw std::invalid_argument("observation entry '" + key + "' clashes with a step field");
+      }
+    };
+    bool game_over = step->has_game_over() ? step->game_over() : step->done();
+    put("reward", filled_array<float>(dtypes::kFloat32, step->reward(), one));
+    put("done", filled_array<bool>(dtypes::kBool, step->done(), one));
+    put("game_over", filled_array<bool>(dtypes::kBool, game_over, one));
+    put("episode_return", filled_array<float>(dtypes::kFloat32, step->episode_return(), one));
+    put("episode_step", filled_array<int32_t>(dtypes::kInt32, step->episode_step(), one));
+    put("last_action", filled_array<int64_t>(dtypes::kInt64, last_action, one));
+    return out;
+  }
+
+  const int64_t unroll_length_;
+  const std::shared_ptr<BatchingQueue> learner_queue_;
+  const std::shared_ptr<DynamicBatcher> inference_batcher_;
+  const std::vector<std::string> addresses_;
+  const Nest initial_agent_state_;
+  const std::chrono::duration<double> connect_timeout_;
+
+  std::atomic<int64_t> count_{0};
+  std::atomic<bool> closed_{false};
+  mutable std::mutex mu_;
+  std::condition_variable all_done_;  // signalled when an actor thread ends
+  bool started_ = false;  // GUARDED_BY(mu_)
+  size_t running_ = 0;  // GUARDED_BY(mu_); actor threads not yet ended
+  std::exception_ptr first_error_;  // GUARDED_BY(mu_)
+  // The stream of each actor, or nullptr between streams. GUARDED_BY(mu_)
+  std::vector<grpc::ClientContext*> live_contexts_ =
+      std::vector<grpc::ClientContext*>(addresses_.size(), nullptr);
+};
+
+}  // namespace beast

@@ -1,0 +1,190 @@
+// The environment server: serves Python environments over gRPC.
+//
+//   actor (client) --Action--> gRPC thread --env.step(action) (GIL)--> Python adapter
+//                  <--Step---             <-- dict(frame, reward, done, ...) --+
+//
+// One environment per stream: a new stream calls env_factory() for a fresh
+// adapter (with .initial(), .step(action) and optionally .close()), sends
+// initial(), then answers every Action with step(action). An adapter that
+// raises in step() is closed and replaced by a new one, whose initial step
+// goes out with done=True, so one bad episode does not end the stream.
+//
+// gRPC threads take the GIL only around Python calls and drop every Python
+// object while holding it. Stop the server (stop() / leaving run()) before
+// the interpreter exits.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "nest.h"
+#include "rpcenv.grpc.pb.h"
+
+namespace beast {
+
+class EnvServer {
+ public:
+  EnvServer(py::object env_factory, std::string address)
+      : env_factory_(std::move(env_factory)), address_(std::move(address)) {}
+  // Called with the GIL held; run() cannot be active (it holds a reference).
+  ~EnvServer() { stop(); }
+
+  // Serves until stop(). Returns at once if stop() came first. Calls
+  // check_interrupt (if given) every 100 ms; if it throws, the server stops
+  // and its exception is rethrown.
+  void run(const std::function<void()>& check_interrupt = nullptr) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(address_, grpc::InsecureServerCredentials());
+    builder.RegisterService(&service_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.SetMaxSendMessageSize(-1);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    if (!server) {
+      throw std::runtime_error("EnvServer: could not listen on '" + address_ +
+                               "' (address in use, bad address, or directory not writable?)");
+    }
+    std::exception_ptr interrupt;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stop_requested_) {
+        stop_cv_.wait_for(lock, std::chrono::milliseconds(100));
+        if (check_interrupt && !stop_requested_) {
+          lock.unlock();
+          try {
+            check_interrupt();
+          } catch (...) {
+            interrupt = std::current_exception();
+          }
+          lock.lock();
+          if (interrupt) break;
+        }
+      }
+    }
+    // Streams wait on their clients forever; the deadline cancels them.
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    server->Wait();
+    if (interrupt) std::rethrow_exception(interrupt);
+  }
+
+  // Idempotent; run() returns soon after.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_requested_ = true;
+    }
+    stop_cv_.notify_all();
+  }
+
+  const std::string& address() const { return address_; }
+
+ private:
+  // One Python adapter; every method takes the GIL itself.
+  class Session {
+   public:
+    explicit Session(EnvServer* server) : server_(server) {
+      py::gil_scoped_acquire gil;
+      env_ = server_->env_factory_();
+    }
+    ~Session() {
+      py::gil_scoped_acquire gil;
+      close_env();
+    }
+
+    void initial(rpcenv::Step* step) {
+      py::gil_scoped_acquire gil;
+      fill_step(env_.attr("initial")(), step);
+    }
+
+    void step(rpcenv::Action* action, rpcenv::Step* step) {
+      py::gil_scoped_acquire gil;
+      try {
+        py::object a = action->has_nest_action()
+                           ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
+                           : py::int_(action->action());
+        fill_step(env_.attr("step")(a), step);
+      } catch (const std::exception& e) {  // py::error_already_set included
+        server_->log(std::string("the environment failed in step(), restarting it: ") + e.what());
+        close_env();
+        env_ = server_->env_factory_();
+        step->Clear();
+        fill_step(env_.attr("initial")(), step);
+        step->set_done(true);
+      }
+    }
+
+   private:
+    void close_env() {  // GIL held
+      try {
+        if (env_ && py::hasattr(env_, "close")) env_.attr("close")();
+      } catch (const std::exception& e) {
+        server_->log(std::string("the environment failed in close(): ") + e.what());
+      }
+      env_ = py::object();
+    }
+
+    // result: dict(frame, reward, done, game_over (optional), episode_return, episode_step).
+    static void fill_step(py::handle result, rpcenv::Step* step) {
+      py::dict d = py::reinterpret_borrow<py::object>(result);
+      py::object frame = d["frame"];
+      nest_to_proto(nest_from_python(frame, "['frame']"), step->mutable_observation());
+      step->set_reward(py::cast<float>(d["reward"]));
+      step->set_done(py::cast<bool>(d["done"]));
+      if (d.contains("game_over")) step->set_game_over(py::cast<bool>(d["game_over"]));
+      step->set_episode_return(py::cast<float>(d["episode_return"]));
+      step->set_episode_step(py::cast<int32_t>(d["episode_step"]));
+    }
+
+    EnvServer* server_;
+    py::object env_;  // touched only with the GIL held
+  };
+
+  class Service final : public rpcenv::RPCEnvServer::Service {
+   public:
+    explicit Service(EnvServer* server) : server_(server) {}
+
+    grpc::Status StreamingEnv(
+        grpc::ServerContext* context,
+        grpc::ServerReaderWriter<rpcenv::Step, rpcenv::Action>* stream) override {
+      try {
+        Session session(server_);
+        rpcenv::Step step;
+        session.initial(&step);
+        rpcenv::Action action;
+        while (stream->Write(step) && stream->Read(&action)) {
+          step.Clear();
+          session.step(&action, &step);
+        }
+        return grpc::Status::OK;
+      } catch (const std::exception& e) {  // the factory or initial() failed
+        server_->log(std::string("ending a stream: ") + e.what());
+        return grpc::Status(grpc::StatusCode::INTERNAL, e.what());
+      }
+    }
+
+   private:
+    EnvServer* server_;
+  };
+
+  void log(const std::string& message) const {
+    std::fprintf(stderr, "[EnvServer %s] %s\n", address_.c_str(), message.c_str());
+  }
+
+  py::object env_factory_;  // touched only with the GIL held
+  const std::string address_;
+  Service service_{this};
+  std::mutex mu_;
+  std::condition_variable stop_cv_;
+  bool stop_requested_ = false;  // GUARDED_BY(mu_)
+};
+
+}  // namespace beast

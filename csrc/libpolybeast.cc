@@ -1,0 +1,213 @@
+// Python bindings of the PolyBeast C++ pieces. The logic lives in the headers:
+// nest.h, batching_queue.h, dynamic_batcher.h, actor_pool.h, env_server.h.
+//
+// Every binding that can block releases the GIL. Nests are converted from
+// Python (a copy) while holding it, and back to numpy arrays that own the C++
+// buffer (no copy).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "actor_pool.h"
+#include "batching_queue.h"
+#include "dynamic_batcher.h"
+#include "env_server.h"
+#include "nest.h"
+
+namespace py = pybind11;
+using beast::ActorPool;
+using beast::BatchingOptions;
+using beast::BatchingQueue;
+using beast::DynamicBatcher;
+using beast::EnvServer;
+using beast::Nest;
+
+namespace {
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+// Lets Ctrl-C (and other Python signal handlers) interrupt a long C++ wait in
+// the main thread; elsewhere PyErr_CheckSignals does nothing.
+void check_signals() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+BatchingOptions batching_options(int64_t minimum_batch_size, int64_t maximum_batch_size,
+                                 std::optional<int64_t> timeout_ms,
+                                 std::optional<int64_t> maximum_queue_size) {
+  BatchingOptions options;
+  options.minimum_batch_size = minimum_batch_size;
+  options.maximum_batch_size = maximum_batch_size;
+  options.timeout_ms = timeout_ms;
+  options.maximum_queue_size = maximum_queue_size;
+  return options;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(libpolybeast, m) {
+  m.doc() =
+      "C++ pieces of PolyBeast: BatchingQueue, DynamicBatcher, ActorPool, EnvServer.\n\n"
+      "A nest is a dict (str keys) / list / tuple of nests, or a numpy array (Python\n"
+      "scalars become 0-d arrays). Nests are copied on the way in; arrays coming out\n"
+      "are numpy arrays that own their C++ buffer.";
+
+  py::register_exception<beast::ClosedBatchingQueue>(m, "ClosedBatchingQueue",
+                                                     PyExc_RuntimeError);
+
+  py::class_<BatchingQueue, std::shared_ptr<BatchingQueue>>(
+      m, "BatchingQueue",
+      "FIFO queue of nests that hands out batches concatenated along batch_dim.\n\n"
+      "Batch sizes count enqueued nests. Iterating blocks until minimum_batch_size\n"
+      "nests wait (or, after timeout_ms, at least one) and yields up to\n"
+      "maximum_batch_size of them; it stops once the queue is closed. Nests still\n"
+      "queued at close() are dropped.")
+      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size,
+                       int64_t maximum_batch_size, std::optional<int64_t> timeout_ms,
+                       bool check_inputs, std::optional<int64_t> maximum_queue_size) {
+             return std::make_shared<BatchingQueue>(
+                 batch_dim,
+                 batching_options(minimum_batch_size, maximum_batch_size, timeout_ms,
+                                  maximum_queue_size),
+                 check_inputs);
+           }),
+           py::arg("batch_dim") = 1, py::arg("minimum_batch_size") = 1,
+           py::arg("maximum_batch_size") = 1024, py::arg("timeout_ms") = py::none(),
+           py::arg("check_inputs") = true, py::arg("maximum_queue_size") = py::none())
+      .def(
+          "enqueue",
+          [](BatchingQueue& queue, py::handle nest) {
+            Nest copy = beast::nest_from_python(nest);
+            py::gil_scoped_release release;
+            queue.enqueue(std::move(copy));
+          },
+          py::arg("nest"),
+          "Adds a nest whose arrays all have the batch dimension. Blocks while the queue\n"
+          "is full. Raises ValueError for a nest that does not fit the first one (with\n"
+          "check_inputs) and ClosedBatchingQueue once closed.")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__",
+           [](BatchingQueue& queue) {
+             std::optional<Nest> batch;
+             {
+               py::gil_scoped_release release;
+               batch = queue.dequeue_many();
+             }
+             if (!batch) throw py::stop_iteration();
+             return beast::nest_to_python(*batch);
+           })
+      .def("close", &BatchingQueue::close, release_gil(),
+           "Wakes every waiter; idempotent. Queued nests are dropped.")
+      .def("is_closed", &BatchingQueue::is_closed)
+      .def("size", &BatchingQueue::size, "Number of nests waiting.");
+
+  py::class_<DynamicBatcher::Batch>(
+      m, "Batch", "A batch of compute() requests, handed out by iterating a DynamicBatcher.")
+      .def(
+          "get_inputs",
+          [](const DynamicBatcher::Batch& batch) { return beast::nest_to_python(batch.inputs()); },
+          "The callers' inputs concatenated along batch_dim.")
+      .def(
+          "set_outputs",
+          [](DynamicBatcher::Batch& batch, py::handle outputs) {
+            batch.set_outputs(beast::nest_from_python(outputs));
+          },
+          py::arg("outputs"),
+          "Answers the callers: each gets its own rows of outputs along batch_dim. Raises\n"
+          "ValueError (and fails the callers) if the batch size does not match.");
+
+  py::class_<DynamicBatcher, std::shared_ptr<DynamicBatcher>>(
+      m, "DynamicBatcher",
+      "Batches concurrent compute() calls for one inference thread.\n\n"
+      "Callers block in compute(inputs) while the inference thread iterates over the\n"
+      "batcher, gets Batch objects and answers them with set_outputs. A Batch dropped\n"
+      "without outputs, or outputs of the wrong batch size, raise RuntimeError in\n"
+      "its callers; close() makes waiting callers raise ClosedBatchingQueue.")
+      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size,
+                       int64_t maximum_batch_size, std::optional<int64_t> timeout_ms,
+                       bool check_outputs) {
+             return std::make_shared<DynamicBatcher>(
+                 batch_dim,
+                 batching_options(minimum_batch_size, maximum_batch_size, timeout_ms,
+                                  std::nullopt),
+                 check_outputs);
+           }),
+           py::arg("batch_dim") = 1, py::arg("minimum_batch_size") = 1,
+           py::arg("maximum_batch_size") = 1024, py::arg("timeout_ms") = 100,
+           py::arg("check_outputs") = true)
+      .def(
+          "compute",
+          [](DynamicBatcher& batcher, py::handle inputs) {
+            Nest copy = beast::nest_from_python(inputs);
+            Nest outputs;
+            {
+              py::gil_scoped_release release;
+              outputs = batcher.compute(std::move(copy));
+            }
+            return beast::nest_to_python(outputs);
+          },
+          py::arg("inputs"), "Blocks until the inference thread answers; returns this caller's rows.")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__",
+           [](DynamicBatcher& batcher) {
+             std::unique_ptr<DynamicBatcher::Batch> batch;
+             {
+               py::gil_scoped_release release;
+               batch = batcher.next_batch();
+             }
+             if (!batch) throw py::stop_iteration();
+             return batch;
+           })
+      .def("close", &DynamicBatcher::close, release_gil(),
+           "Wakes everyone; idempotent. Queued callers raise ClosedBatchingQueue.")
+      .def("is_closed", &DynamicBatcher::is_closed)
+      .def("size", &DynamicBatcher::size, "Number of requests waiting for a batch.");
+
+  py::class_<ActorPool>(
+      m, "ActorPool",
+      "One actor thread per env server address: steps the environment through the\n"
+      "inference batcher and puts (rollout, initial_agent_state) on the learner queue.\n\n"
+      "The batcher is called with (env_outputs, agent_state) and must answer\n"
+      "(agent_outputs, agent_state), agent_outputs a dict with an int 'action'.\n"
+      "Every array of a step is [1, 1, ...]; a rollout is a dict of [T+1, 1, ...]\n"
+      "arrays (T = unroll_length) whose last step is step 0 of the next one.")
+      .def(py::init([](int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
+                       std::shared_ptr<DynamicBatcher> inference_batcher,
+                       std::vector<std::string> env_server_addresses,
+                       py::handle initial_agent_state, double connect_timeout_s) {
+             return std::make_unique<ActorPool>(
+                 unroll_length, std::move(learner_queue), std::move(inference_batcher),
+                 std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
+                 connect_timeout_s);
+           }),
+           py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
+           py::arg("env_server_addresses"), py::arg("initial_agent_state"),
+           py::arg("connect_timeout_s") = 60.0)
+      .def(
+          "run", [](ActorPool& pool) { pool.run(check_signals); }, release_gil(),
+          "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
+          "naming the address for the first actor that failed (an env server unreachable\n"
+          "for connect_timeout_s, a bad inference answer); that also closes both queues.")
+      .def("count", &ActorPool::count, "Environment steps taken so far.")
+      .def("close", &ActorPool::close, release_gil(),
+           "Stops the actors without closing the queues; idempotent.");
+
+  py::class_<EnvServer>(
+      m, "EnvServer",
+      "Serves environments over gRPC (csrc/rpcenv.proto) at 'unix:/path' or 'host:port'.\n\n"
+      "Each stream gets its own adapter from env_factory(), which must offer\n"
+      ".initial() and .step(action) returning dict(frame, reward, done, game_over,\n"
+      "episode_return, episode_step), and optionally .close().")
+      .def(py::init<py::object, std::string>(), py::arg("env_factory"),
+           py::arg("server_address"))
+      .def(
+          "run", [](EnvServer& server) { server.run(check_signals); }, release_gil(),
+          "Serves until stop(). Raises RuntimeError if the address cannot be bound.")
+      .def("stop", &EnvServer::stop, release_gil(), "Makes run() return; idempotent.")
+      .def_property_readonly("address", &EnvServer::address);
+}

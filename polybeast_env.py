@@ -1,0 +1,183 @@
+"""Environment servers for PolyBeast.
+
+    python -m polybeast_env --env CartPole-v1 --num_servers 4 --pipes_basename unix:/tmp/polybeast
+
+starts --num_servers processes; server i listens at <pipes_basename>.i (unix sockets, reachable from
+this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The learner
+(python -m polybeast) connects one actor thread to each address. Data path of one server:
+
+    actor thread --gRPC stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
+
+Every stream gets its own environment, seeded from (--seed, server index, stream number), so a
+reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C stops the servers
+and exits with status 0.
+"""
+
+import argparse
+import multiprocessing
+import os
+import signal
+import stat
+import sys
+import threading
+
+import numpy as np
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(
+        description="PolyBeast environment servers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    # Environment.
+    parser.add_argument("--env", type=str, default="CartPole-v1",
+                        help="Gymnasium environment id, e.g. CartPole-v1, ALE/Pong-v5.")
+    parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=False,
+                        help="Atari: end training episodes at each life lost.")
+    parser.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
+                        help="Who steps the environments.")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="Base seed; each stream's environment gets one derived from it, the "
+                             "server index and the stream number.")
+    # Servers.
+    parser.add_argument("--num_servers", type=int, default=4,
+                        help="Number of server processes, one address each.")
+    parser.add_argument("--pipes_basename", type=str, default="unix:/tmp/polybeast",
+                        help="Unix socket addresses: server i listens at <pipes_basename>.i.")
+    parser.add_argument("--address", type=str, default=None,
+                        help="Serve over TCP instead: HOST:PORT (or tcp:HOST:PORT); server i "
+                             "listens at HOST:PORT+i. A non-loopback HOST accepts connections "
+                             "from other machines, without authentication.")
+    return parser
+
+
+def _split_host_port(address):
+    """"tcp:HOST:PORT" or "HOST:PORT" -> (HOST, PORT)."""
+    if address.startswith("tcp:"):
+        address = address[len("tcp:"):]
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected a TCP address HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def server_address(flags, index):
+    """The gRPC address of server `index`: "unix:PATH.index" or "HOST:PORT+index"."""
+    if flags.address:
+        host, port = _split_host_port(flags.address)
+        return f"{host}:{port + index}"
+    if not flags.pipes_basename.startswith("unix:"):
+        raise ValueError(f"--pipes_basename must start with 'unix:', got {flags.pipes_basename!r}; "
+                         "use --address HOST:PORT for TCP")
+    return f"{flags.pipes_basename}.{index}"
+
+
+def server_addresses(flags):
+    return [server_address(flags, i) for i in range(flags.num_servers)]
+
+
+def is_loopback(address):
+    if address.startswith("unix:"):
+        return True
+    host, _ = _split_host_port(address)
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class EnvFactory:
+    """Called by the EnvServer (GIL held) for every new stream: a fresh RolloutAdapter."""
+
+    def __init__(self, flags, server_index):
+        self.flags = flags
+        self.server_index = server_index
+        self.streams = 0
+
+    def __call__(self):
+        from beast import envs  # imported here: the parent process never needs gymnasium
+
+        seed = int(np.random.SeedSequence(
+            [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0])
+        self.streams += 1
+        return envs.RolloutAdapter(envs.create_env(self.flags), seed)
+
+
+def serve(flags, address, server_index=0):
+    """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
+
+    flags needs the fields of make_parser()'s environment group (env, episodic_life,
+    env_backend, seed). Usable as a multiprocessing target.
+    """
+    import libpolybeast
+
+    if not is_loopback(address):
+        print(f"polybeast_env: warning: listening on {address}, which other machines can reach; "
+              "the traffic is neither authenticated nor encrypted.", file=sys.stderr, flush=True)
+    server = libpolybeast.EnvServer(EnvFactory(flags, server_index), address)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main_thread:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, lambda *_: server.stop())
+    try:
+        server.run()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _remove_socket(address)
+
+
+def _remove_socket(address):
+    if address.startswith("unix:"):
+        path = address[len("unix:"):]
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def main(argv=None):
+    flags = make_parser().parse_args(argv)
+    if flags.num_servers < 1:
+        sys.exit(f"--num_servers must be at least 1 (got {flags.num_servers}).")
+    try:
+        addresses = server_addresses(flags)
+        from beast import envs
+
+        envs.create_env(flags).close()  # an unknown --env fails here, not in every stream
+    except ValueError as error:
+        sys.exit(f"polybeast_env: {error}")
+
+    # spawn, not fork: each server starts its own gRPC runtime from scratch.
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=serve, args=(flags, address, i), name=f"env-server-{i}")
+                 for i, address in enumerate(addresses)]
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    failed = None
+    try:
+        for process in processes:
+            process.start()
+        print(f"polybeast_env: serving {flags.env} at {', '.join(addresses)}", flush=True)
+        while not stop.wait(0.5):
+            failed = next((p for p in processes if not p.is_alive()), None)
+            if failed is not None:
+                print(f"polybeast_env: {failed.name} exited with status {failed.exitcode}; "
+                      "stopping the others", file=sys.stderr, flush=True)
+                break
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: the server stops and the process exits 0
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+    sys.exit(1 if failed is not None else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""libpolybeast.ActorPool against EnvServers in this process: rollout layout, the overlap between
+consecutive unrolls, episode boundaries, agent state, a server restart, and shutdown."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import libpolybeast
+from libpolybeast import ActorPool, BatchingQueue, DynamicBatcher, EnvServer
+
+JOIN_TIMEOUT_S = 30
+WAIT_S = 60  # upper bound for rollouts to arrive; never reached when things work
+EPISODE_LENGTH = 5
+UNROLL_LENGTH = 4
+NUM_ACTIONS = 3
+
+
+class CountingEnv:
+    """Deterministic adapter. frame = [server, instance, steps since creation, episode step]."""
+
+    def __init__(self, server, instance):
+        self.server, self.instance = server, instance
+        self.total = 0
+        self.episode_step = 0
+        self.episode_return = 0.0
+
+    def frame(self):
+        return np.array([self.server, self.instance, self.total, self.episode_step], np.int64)
+
+    def initial(self):
+        return dict(frame=self.frame(), reward=0.0, done=True, game_over=False,
+                    episode_return=0.0, episode_step=0)
+
+    def step(self, action):
+        self.total += 1
+        self.episode_step += 1
+        self.episode_return += float(action)
+        result = dict(reward=np.float32(action), episode_return=np.float32(self.episode_return),
+                      episode_step=np.int32(self.episode_step))
+        done = self.episode_step == EPISODE_LENGTH
+        if done:
+            self.episode_step = 0
+            self.episode_return = 0.0
+        result.update(frame=self.frame(), done=done, game_over=done)
+        return result
+
+
+class Server:
+    """An EnvServer in a thread; instances are numbered across restarts."""
+
+    instances = 0
+
+    def __init__(self, index, address):
+        self.index, self.address = index, address
+        self.start()
+
+    def factory(self):
+        Server.instances += 1
+        return CountingEnv(self.index, Server.instances)
+
+    def start(self):
+        self.server = EnvServer(self.factory, self.address)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.stop()
+        self.thread.join(JOIN_TIMEOUT_S)
+        assert not self.thread.is_alive()
+
+
+def policy(frame):
+    """The action the test inference picks for a frame [..., 4]."""
+    return (frame[..., 2] * 7 + frame[..., 3]) % NUM_ACTIONS
+
+
+def inference_loop(batcher, errors):
+    """Answers with a deterministic action; agent state = number of steps computed; the state
+    each step saw is echoed as 'state_seen' so the test can line it up with the rollout."""
+    try:
+        for batch in batcher:
+            env_outputs, state = batch.get_inputs()
+            frame = env_outputs["frame"]  # [1, B, 4]
+            batch.set_outputs((
+                dict(action=policy(frame).astype(np.int64),
+                     policy_logits=np.zeros(frame.shape[:2] + (NUM_ACTIONS,), np.float32),
+                     baseline=np.zeros(frame.shape[:2], np.float32),
+                     state_seen=state.copy()),
+                state + 1,
+            ))
+    except Exception as error:  # noqa: BLE001 - reported by the test
+        errors.append(error)
+
+
+class Pool:
+    """Servers, an inference thread, the pool, and a thread that collects rollouts."""
+
+    def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0):
+        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}") for i in range(num_servers)]
+        self.learner_queue = BatchingQueue(batch_dim=1, minimum_batch_size=1,
+                                           maximum_batch_size=1, maximum_queue_size=8)
+        self.batcher = DynamicBatcher(batch_dim=1, minimum_batch_size=1, maximum_batch_size=4,
+                                      timeout_ms=5)
+        self.initial_state = np.zeros((1, 1, 1), np.float32)  # [layers, B, hidden]
+        self.pool = ActorPool(
+            unroll_length=UNROLL_LENGTH, learner_queue=self.learner_queue,
+            inference_batcher=self.batcher,
+            env_server_addresses=[s.address for s in self.servers],
+            initial_agent_state=self.initial_state, connect_timeout_s=connect_timeout_s)
+        self.errors, self.run_errors = [], []
+        self.rollouts = []  # (rollout dict, initial agent state), in arrival order
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=inference_loop, args=(self.batcher, self.errors),
+                                         daemon=True),
+                        threading.Thread(target=self._collect, daemon=True)]
+        self.pool_thread = threading.Thread(target=self._run, daemon=True)
+        for thread in self.threads + [self.pool_thread]:
+            thread.start()
+
+    def _run(self):
+        try:
+            self.pool.run()
+        except Exception as error:  # noqa: BLE001 - inspected by the test
+            self.run_errors.append(error)
+
+    def _collect(self):
+        for rollout, state in self.learner_queue:
+            with self.lock:
+                self.rollouts.append((rollout, state))
+
+    def wait_for(self, condition, what):
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            with self.lock:
+                if condition(list(self.rollouts)):
+                    return
+            assert self.pool_thread.is_alive(), f"ActorPool.run() ended: {self.run_errors}"
+            time.sleep(0.02)
+        pytest.fail(f"timed out waiting for {what}")
+
+    def shutdown(self):
+        """Closing the queues is enough to end run()."""
+        self.learner_queue.close()
+        self.batcher.close()
+        self.pool_thread.join(JOIN_TIMEOUT_S)
+        assert not self.pool_thread.is_alive(), "ActorPool.run() did not return after close"
+        for thread in self.threads:
+            thread.join(JOIN_TIMEOUT_S)
+            assert not thread.is_alive()
+        for server in self.servers:
+            server.stop()
+        assert self.errors == []
+
+
+def by_instance(rollouts):
+    """{env instance: [(rollout, state), ...]} in arrival order."""
+    groups = {}
+    for rollout, state in rollouts:
+        groups.setdefault(int(rollout["frame"][0, 0, 1]), []).append((rollout, state))
+    return groups
+
+
+def check_rollout(rollout, state):
+    """Everything that must hold within one rollout."""
+    T = UNROLL_LENGTH
+    frame = rollout["frame"][:, 0]  # [T+1, 4]
+    assert (frame[:, :2] == frame[0, :2]).all(), "a rollout mixes servers or env instances"
+    total, episode_step = frame[:, 2], frame[:, 3]
+    assert (np.diff(total) == 1).all(), f"frames are not consecutive: {total}"
+    # Initial step (total 0) and every EPISODE_LENGTH-th step end an episode.
+    np.testing.assert_array_equal(rollout["done"][:, 0], total % EPISODE_LENGTH == 0)
+    np.testing.assert_array_equal(rollout["game_over"][:, 0],
+                                  (total % EPISODE_LENGTH == 0) & (total > 0))
+    np.testing.assert_array_equal(episode_step, total % EPISODE_LENGTH)
+    # obs[t] -> action[t]; action[t] -> last_action[t+1] and reward[t+1].
+    action = rollout["action"][:, 0]
+    np.testing.assert_array_equal(action, policy(frame))
+    np.testing.assert_array_equal(rollout["last_action"][1:, 0], action[:-1])
+    np.testing.assert_array_equal(rollout["reward"][1:, 0], action[:-1].astype(np.float32))
+    if total[0] == 0:
+        assert rollout["last_action"][0, 0] == 0 and rollout["reward"][0, 0] == 0
+    # The state before step 0 is what the model saw at step 0, and it counts the steps so far.
+    assert state.shape == (1, 1, 1)
+    assert rollout["state_seen"][0].ravel()[0] == state.ravel()[0] == total[0]
+    assert rollout["state_seen"][:, 0, 0].tolist() == list(range(total[0], total[0] + T + 1))
+    # Episode return at the end of an episode: the sum of that episode's rewards.
+    for t in np.flatnonzero(rollout["game_over"][:, 0]):
+        assert rollout["episode_step"][t, 0] == EPISODE_LENGTH
+        assert rollout["episode_return"][t, 0] > -1
+
+
+def check_overlap(previous, following):
+    """Step T of unroll k is step 0 of unroll k+1, for every key."""
+    for key in previous:
+        np.testing.assert_array_equal(previous[key][-1], following[key][0], err_msg=key)
+
+
+def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path):
+    pool = Pool(tmp_path)
+    try:
+        pool.wait_for(lambda rs: all(len(g) >= 4 for g in by_instance(rs).values())
+                      and len(by_instance(rs)) == 2, "4 rollouts from each server")
+        assert pool.pool.count() > 0
+    finally:
+        pool.shutdown()
+
+    T = UNROLL_LENGTH
+    rollout, state = pool.rollouts[0]
+    shapes = {key: (value.shape, value.dtype) for key, value in rollout.items()}
+    assert shapes == {
+        "frame": ((T + 1, 1, 4), np.int64),
+        "reward": ((T + 1, 1), np.float32),
+        "done": ((T + 1, 1), np.bool_),
+        "game_over": ((T + 1, 1), np.bool_),
+        "episode_return": ((T + 1, 1), np.float32),
+        "episode_step": ((T + 1, 1), np.int32),
+        "last_action": ((T + 1, 1), np.int64),
+        "action": ((T + 1, 1), np.int64),
+        "policy_logits": ((T + 1, 1, NUM_ACTIONS), np.float32),
+        "baseline": ((T + 1, 1), np.float32),
+        "state_seen": ((T + 1, 1, 1), np.float32),
+    }
+    assert state.dtype == np.float32
+    for group in by_instance(pool.rollouts).values():
+        assert group[0][0]["frame"][0, 0, 2] == 0, "the first rollout starts at the initial step"
+        for k, (rollout, state) in enumerate(group):
+            check_rollout(rollout, state)
+            assert rollout["frame"][0, 0, 2] == k * T
+        for (previous, _), (following, _) in zip(group, group[1:]):
+            check_overlap(previous, following)
+
+
+def test_server_restart_does_not_break_rollouts(tmp_path, capfd):
+    pool = Pool(tmp_path)
+    try:
+        pool.wait_for(lambda rs: len(by_instance(rs)) == 2 and
+                      all(len(g) >= 2 for g in by_instance(rs).values()), "rollouts from both")
+        restarted = pool.servers[0]
+        restarted.stop()  # the actor's stream breaks; it reconnects to the new server
+        with pool.lock:
+            before = set(by_instance(pool.rollouts))
+        restarted.start()
+        pool.wait_for(lambda rs: any(
+            g[0][0]["frame"][0, 0, 0] == 0 and len(g) >= 3
+            for i, g in by_instance(rs).items() if i not in before), "rollouts after the restart")
+        # The other actor went on throughout.
+        other = [i for i, g in by_instance(pool.rollouts).items() if g[0][0]["frame"][0, 0, 0] == 1]
+        assert len(other) == 1
+    finally:
+        pool.shutdown()
+
+    groups = by_instance(pool.rollouts)
+    assert len(groups) == 3  # server 0 before and after the restart, server 1
+    for group in groups.values():
+        assert group[0][0]["frame"][0, 0, 2] == 0
+        for k, (rollout, state) in enumerate(group):
+            check_rollout(rollout, state)  # no rollout spans the restart
+            assert rollout["frame"][0, 0, 2] == k * UNROLL_LENGTH
+        for (previous, _), (following, _) in zip(group, group[1:]):
+            check_overlap(previous, following)
+    err = capfd.readouterr().err
+    assert "lost the env server" in err and "reconnected" in err
+
+
+def test_pool_close_ends_run(tmp_path):
+    pool = Pool(tmp_path)
+    try:
+        pool.wait_for(lambda rs: len(rs) >= 1, "a rollout")
+        pool.pool.close()
+        pool.pool.close()
+        pool.pool_thread.join(JOIN_TIMEOUT_S)
+        assert not pool.pool_thread.is_alive()
+        assert pool.run_errors == []
+    finally:
+        pool.shutdown()
+
+
+def test_unreachable_server_fails_run_naming_the_address(tmp_path):
+    address = f"unix:{tmp_path}/nobody.sock"
+    learner_queue = BatchingQueue(batch_dim=1)
+    batcher = DynamicBatcher(batch_dim=1)
+    pool = ActorPool(unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
+                     env_server_addresses=[address], initial_agent_state=(),
+                     connect_timeout_s=0.5)
+    with pytest.raises(RuntimeError, match="nobody.sock.*could not reach"):
+        pool.run()
+    assert learner_queue.is_closed() and batcher.is_closed()
+    with pytest.raises(RuntimeError, match="only be called once"):
+        pool.run()
+
+
+def test_bad_inference_answer_fails_run(tmp_path):
+    server = Server(0, f"unix:{tmp_path}/env.0")
+    learner_queue = BatchingQueue(batch_dim=1)
+    batcher = DynamicBatcher(batch_dim=1)
+    pool = ActorPool(unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
+                     env_server_addresses=[server.address], initial_agent_state=())
+
+    def inference():
+        for batch in batcher:
+            env_outputs, state = batch.get_inputs()
+            batch.set_outputs(({"not_action": env_outputs["reward"]}, state))
+
+    thread = threading.Thread(target=inference, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match="env.0.*'action'"):
+            pool.run()
+        thread.join(JOIN_TIMEOUT_S)
+        assert not thread.is_alive()
+    finally:
+        batcher.close()
+        server.stop()
+
+
+def test_constructor_checks_arguments():
+    queue, batcher = BatchingQueue(), DynamicBatcher()
+    with pytest.raises(ValueError, match="unroll_length"):
+        ActorPool(0, queue, batcher, ["unix:/x"], ())
+    assert libpolybeast.ActorPool is ActorPool

@@ -1,0 +1,254 @@
+"""Shapes, dtypes, LSTM resets, gradients and errors of beast/models.py."""
+
+import argparse
+
+import pytest
+import torch
+
+from beast import models
+
+NUM_ACTIONS = 5
+# Small frames keep the convolutional tests fast; 36x36 is the least the
+# Atari net accepts. One test below uses the real Atari shape.
+IMAGE_SHAPE = (4, 36, 36)
+VECTOR_SHAPE = (7,)
+MODEL_SHAPES = [("atari", IMAGE_SHAPE), ("resnet", IMAGE_SHAPE), ("mlp", VECTOR_SHAPE)]
+
+
+def make_flags(model, use_lstm, hidden_size=16):
+    return argparse.Namespace(model=model, use_lstm=use_lstm, hidden_size=hidden_size)
+
+
+def make_model(model, observation_shape, use_lstm, seed=0):
+    torch.manual_seed(seed)
+    return models.create_model(make_flags(model, use_lstm), observation_shape, NUM_ACTIONS)
+
+
+def make_inputs(T, B, observation_shape, seed=0, uint8=None, done=None):
+    generator = torch.Generator().manual_seed(seed)
+    if uint8 is None:
+        uint8 = len(observation_shape) == 3
+    if uint8:
+        frame = torch.randint(0, 256, (T, B, *observation_shape), generator=generator,
+                              dtype=torch.uint8)
+    else:
+        frame = torch.randn((T, B, *observation_shape), generator=generator)
+    if done is None:
+        done = torch.rand((T, B), generator=generator) < 0.3
+    return dict(
+        frame=frame,
+        reward=torch.randn((T, B), generator=generator) * 3,
+        done=done,
+        last_action=torch.randint(0, NUM_ACTIONS, (T, B), generator=generator),
+    )
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+@pytest.mark.parametrize("use_lstm", [False, True])
+@pytest.mark.parametrize("T,B", [(1, 3), (5, 2)])
+def test_output_shapes_and_dtypes(model_name, observation_shape, use_lstm, T, B):
+    model = make_model(model_name, observation_shape, use_lstm)
+    state = model.initial_state(B)
+    if use_lstm:
+        assert len(state) == 2
+        for s in state:
+            assert s.dim() == 3 and s.shape[:2] == (1, B) and s.dtype == torch.float32
+    else:
+        assert state == ()
+
+    outputs, new_state = model(make_inputs(T, B, observation_shape), state)
+    assert set(outputs) == {"policy_logits", "baseline", "action"}
+    assert outputs["policy_logits"].shape == (T, B, NUM_ACTIONS)
+    assert outputs["policy_logits"].dtype == torch.float32
+    assert outputs["baseline"].shape == (T, B)
+    assert outputs["baseline"].dtype == torch.float32
+    assert outputs["action"].shape == (T, B)
+    assert outputs["action"].dtype == torch.int64
+    assert ((outputs["action"] >= 0) & (outputs["action"] < NUM_ACTIONS)).all()
+    assert len(new_state) == len(state)
+    for old, new in zip(state, new_state):
+        assert old.shape == new.shape
+
+
+def test_create_model_picks_classes_and_defaults():
+    no_model = argparse.Namespace(use_lstm=False)
+    assert type(models.create_model(no_model, (4, 84, 84), 3)) is models.AtariNet
+    assert type(models.create_model(no_model, (8,), 3)) is models.MLP
+    assert type(models.create_model(make_flags("resnet", False), (3, 64, 64), 3)) is models.ResNet
+    mlp = models.create_model(argparse.Namespace(model="mlp"), (8,), 3)
+    assert mlp.layers[0].out_features == 64  # default hidden_size
+    assert mlp.core is None  # default use_lstm
+    relu = models.create_model(
+        argparse.Namespace(model="mlp", hidden_size=32, mlp_activation="relu"), (8,), 3)
+    assert relu.layers[0].out_features == 32 and isinstance(relu.layers[1], torch.nn.ReLU)
+
+
+def test_atari_shape_end_to_end():
+    for name in ["atari", "resnet"]:
+        model = make_model(name, (4, 84, 84), use_lstm=True)
+        outputs, _ = model(make_inputs(2, 2, (4, 84, 84)), model.initial_state(2))
+        assert outputs["policy_logits"].shape == (2, 2, NUM_ACTIONS)
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+def test_uint8_frames_are_scaled(model_name, observation_shape):
+    model = make_model(model_name, observation_shape, use_lstm=False).eval()
+    inputs = make_inputs(3, 2, observation_shape, uint8=True)
+    as_float = dict(inputs, frame=inputs["frame"].float() / 255.0)
+    out_uint8, _ = model(inputs)
+    out_float, _ = model(as_float)
+    torch.testing.assert_close(out_uint8["policy_logits"], out_float["policy_logits"])
+    torch.testing.assert_close(out_uint8["baseline"], out_float["baseline"])
+    # Float frames are used as given, not scaled again.
+    out_unscaled, _ = model(dict(inputs, frame=inputs["frame"].float()))
+    assert not torch.allclose(out_unscaled["baseline"], out_float["baseline"])
+
+
+def test_reward_is_clipped():
+    model = make_model("mlp", VECTOR_SHAPE, use_lstm=False).eval()
+    inputs = make_inputs(2, 3, VECTOR_SHAPE)
+    big = model(dict(inputs, reward=torch.full((2, 3), 50.0)))[0]
+    one = model(dict(inputs, reward=torch.full((2, 3), 1.0)))[0]
+    half = model(dict(inputs, reward=torch.full((2, 3), 0.5)))[0]
+    torch.testing.assert_close(big["baseline"], one["baseline"])
+    assert not torch.allclose(half["baseline"], one["baseline"])
+
+
+def done_pattern(kind, T, B):
+    done = torch.zeros(T, B, dtype=torch.bool)
+    if kind == "some":
+        done[2, 0] = done[4, 1] = done[4, 2] = done[5, 0] = True
+    elif kind == "first_and_last":
+        done[0, 1] = done[T - 1, 2] = True
+    elif kind == "dense":
+        done = torch.rand((T, B), generator=torch.Generator().manual_seed(3)) < 0.5
+    elif kind == "all":
+        done[:] = True
+    return done
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+@pytest.mark.parametrize("done_kind", ["none", "some", "first_and_last", "dense", "all"])
+def test_lstm_all_at_once_equals_step_by_step(model_name, observation_shape, done_kind):
+    # Running T=1 at a time and carrying the state is the plain definition of
+    # the reset rule; the T-step call must agree with it for any done pattern.
+    T, B = 6, 3
+    model = make_model(model_name, observation_shape, use_lstm=True)
+    inputs = make_inputs(T, B, observation_shape, done=done_pattern(done_kind, T, B))
+    initial = tuple(torch.randn_like(s) for s in model.initial_state(B))
+
+    whole, whole_state = model(inputs, initial)
+    state = initial
+    logits, baselines = [], []
+    for t in range(T):
+        step_inputs = {key: value[t : t + 1] for key, value in inputs.items()}
+        out, state = model(step_inputs, state)
+        logits.append(out["policy_logits"])
+        baselines.append(out["baseline"])
+    torch.testing.assert_close(whole["policy_logits"], torch.cat(logits))
+    torch.testing.assert_close(whole["baseline"], torch.cat(baselines))
+    for a, b in zip(whole_state, state):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+def test_done_resets_lstm_state(model_name, observation_shape):
+    T, B, reset_step = 5, 2, 3
+    model = make_model(model_name, observation_shape, use_lstm=True)
+    done = torch.zeros(T, B, dtype=torch.bool)
+    done[reset_step, 0] = True  # entry 0 starts a new episode at step 3
+    inputs_a = make_inputs(T, B, observation_shape, seed=1, done=done)
+    inputs_b = make_inputs(T, B, observation_shape, seed=2, done=done)
+    # Same steps from reset_step on; different history and initial state.
+    for key in ["frame", "reward", "last_action"]:
+        inputs_b[key][reset_step:] = inputs_a[key][reset_step:]
+    state_a = tuple(torch.randn_like(s) for s in model.initial_state(B))
+    state_b = tuple(torch.randn_like(s) for s in model.initial_state(B))
+
+    out_a, _ = model(inputs_a, state_a)
+    out_b, _ = model(inputs_b, state_b)
+    # Entry 0 forgets everything before the reset...
+    torch.testing.assert_close(out_a["policy_logits"][reset_step:, 0],
+                               out_b["policy_logits"][reset_step:, 0])
+    torch.testing.assert_close(out_a["baseline"][reset_step:, 0],
+                               out_b["baseline"][reset_step:, 0])
+    # ...and the output at the reset equals that of a fresh state.
+    fresh, _ = model({k: v[reset_step:] for k, v in inputs_a.items()},
+                     model.initial_state(B))
+    torch.testing.assert_close(out_a["baseline"][reset_step:, 0], fresh["baseline"][:, 0])
+    # Entry 1 has no reset, so its history still matters.
+    assert not torch.allclose(out_a["baseline"][reset_step:, 1],
+                              out_b["baseline"][reset_step:, 1])
+
+
+def test_lstm_accepts_empty_core_state():
+    model = make_model("mlp", VECTOR_SHAPE, use_lstm=True)
+    inputs = make_inputs(3, 2, VECTOR_SHAPE)
+    from_empty, _ = model(inputs, ())
+    from_zeros, _ = model(inputs, model.initial_state(2))
+    torch.testing.assert_close(from_empty["baseline"], from_zeros["baseline"])
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+def test_eval_mode_takes_argmax(model_name, observation_shape):
+    model = make_model(model_name, observation_shape, use_lstm=True).eval()
+    inputs = make_inputs(4, 3, observation_shape)
+    first, _ = model(inputs, model.initial_state(3))
+    second, _ = model(inputs, model.initial_state(3))
+    torch.testing.assert_close(first["action"], second["action"])
+    torch.testing.assert_close(first["action"], first["policy_logits"].argmax(-1))
+
+
+def test_training_mode_samples_from_softmax():
+    model = make_model("mlp", VECTOR_SHAPE, use_lstm=False).train()
+    with torch.no_grad():
+        model.policy.weight.zero_()
+        model.policy.bias.copy_(torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0]))
+    T, B = 500, 8
+    torch.manual_seed(0)
+    outputs, _ = model(make_inputs(T, B, VECTOR_SHAPE))
+    counts = torch.bincount(outputs["action"].flatten(), minlength=NUM_ACTIONS).float()
+    expected = torch.softmax(model.policy.bias.detach(), 0) * T * B
+    # 4000 samples: frequencies within a few standard deviations.
+    assert ((counts - expected).abs() < 5 * expected.sqrt() + 5).all()
+    assert (counts > 0).sum() == NUM_ACTIONS
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_gradients_reach_all_parameters(model_name, observation_shape, use_lstm):
+    model = make_model(model_name, observation_shape, use_lstm)
+    B = 3
+    outputs, _ = model(make_inputs(4, B, observation_shape, uint8=False),
+                       tuple(torch.randn_like(s) for s in model.initial_state(B)))
+    loss = outputs["policy_logits"].logsumexp(-1).sum() + outputs["baseline"].pow(2).sum()
+    loss.backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        assert parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(
+    "model_name,observation_shape,message",
+    [
+        ("atari", (7,), "use --model mlp"),
+        ("resnet", (7,), "use --model mlp"),
+        ("mlp", (4, 84, 84), "use --model atari or --model resnet"),
+        ("atari", (4, 16, 16), "use --model resnet"),
+        ("nope", (7,), "unknown --model 'nope'"),
+    ],
+)
+def test_bad_observation_shape_errors(model_name, observation_shape, message):
+    with pytest.raises(ValueError, match=message):
+        models.create_model(make_flags(model_name, False), observation_shape, NUM_ACTIONS)
+
+
+def test_no_default_model_for_other_ranks():
+    with pytest.raises(ValueError, match="no model fits"):
+        models.create_model(argparse.Namespace(), (3, 4), NUM_ACTIONS)
+
+
+def test_frame_shape_mismatch_in_forward():
+    model = make_model("mlp", VECTOR_SHAPE, use_lstm=False)
+    with pytest.raises(ValueError, match=r"built for observations of shape \(7,\)"):
+        model(make_inputs(2, 2, (8,)))

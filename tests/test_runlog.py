@@ -1,0 +1,141 @@
+import argparse
+import io
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from beast import runlog
+
+
+def test_run_dir_paths(tmp_path):
+    run_dir = runlog.RunDir(tmp_path / "runs", "exp1")
+    assert run_dir.path == str(tmp_path / "runs" / "exp1")
+    assert os.path.isdir(run_dir.path)
+    assert run_dir.flags_path.endswith("exp1/flags.json")
+    assert run_dir.meta_path.endswith("exp1/meta.json")
+    assert run_dir.logs_path.endswith("exp1/logs.csv")
+    assert run_dir.checkpoint_path.endswith("exp1/model.tar")
+    assert run_dir.tb_dir.endswith("exp1/tensorboard")
+    assert os.listdir(run_dir.path) == []  # the write probe is cleaned up
+
+
+def test_generated_xpids_are_unique(tmp_path):
+    first = runlog.RunDir(tmp_path, None)
+    second = runlog.RunDir(tmp_path, None)
+    assert first.xpid.startswith("beast-")
+    assert first.path != second.path
+
+
+def test_unwritable_savedir_names_path(tmp_path):
+    # Tests run as root, so chmod would not stop writes; a file as the parent does.
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    with pytest.raises(runlog.RunDirError) as info:
+        runlog.RunDir(blocker, "exp")
+    message = str(info.value)
+    assert str(blocker / "exp") in message
+    assert "--savedir" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_metadata_keeps_earlier_starts(tmp_path):
+    run_dir = runlog.RunDir(tmp_path, "exp")
+    runlog.write_metadata(run_dir, argparse.Namespace(env="CartPole-v1", lr=0.1))
+    runlog.write_metadata(run_dir, argparse.Namespace(env="CartPole-v1", lr=0.2))
+    with open(run_dir.flags_path) as f:
+        assert json.load(f)["lr"] == 0.2
+    with open(run_dir.flags_path + ".1") as f:
+        assert json.load(f)["lr"] == 0.1
+    assert os.path.exists(run_dir.meta_path + ".1")
+    with open(run_dir.meta_path) as f:
+        meta = json.load(f)
+    assert meta["versions"]["torch"] == torch.__version__
+    for key in ("git_commit", "git_dirty", "hostname", "start_time", "command"):
+        assert key in meta
+
+
+def test_logs_columns_and_resume(tmp_path):
+    run_dir = runlog.RunDir(tmp_path, "exp")
+    logger = runlog.StatsLogger(run_dir, use_tensorboard=False)
+    logger.log(10, {"total_loss": torch.tensor(1.5), "mean_episode_return": math.nan})
+    logger.log(20, {"total_loss": 1.0, "mean_episode_return": 3.0})
+    logger.close()
+    with open(run_dir.logs_path) as f:
+        assert f.readline().strip() == "_time,step,mean_episode_return,total_loss"
+
+    # A resumed run appends below the existing rows, and a new key widens the header.
+    logger = runlog.StatsLogger(run_dir, use_tensorboard=False)
+    logger.log(30, {"total_loss": 0.5, "mean_episode_return": 4.0})
+    logger.log(40, {"total_loss": 0.25, "mean_episode_return": 5.0, "eval_return": 7.0})
+    logger.close()
+    rows = runlog.read_logs(run_dir.logs_path)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    assert rows[0]["total_loss"] == 1.5
+    assert math.isnan(rows[0]["mean_episode_return"])
+    assert math.isnan(rows[2]["eval_return"])  # before the column existed
+    assert rows[3]["eval_return"] == 7.0
+    assert all(r["_time"] > 0 for r in rows)
+    assert not os.path.exists(run_dir.logs_path + ".tmp")
+
+
+def test_tensorboard_events_written(tmp_path):
+    run_dir = runlog.RunDir(tmp_path, "exp")
+    with runlog.StatsLogger(run_dir) as logger:
+        logger.log(1, {"total_loss": 1.0, "mean_episode_return": math.nan})
+    assert any(name.startswith("events.") for name in os.listdir(run_dir.tb_dir))
+
+
+def test_episode_stats_window():
+    stats = runlog.EpisodeStats(window=3)
+    assert math.isnan(stats.mean_return())
+    stats.add([1.0, 2.0], [10, 20])
+    stats.add(torch.tensor([3.0, 4.0]), torch.tensor([30, 40]))
+    assert stats.count == 4
+    assert stats.mean_return() == pytest.approx(3.0)  # only 2, 3, 4
+    assert stats.mean_length() == pytest.approx(30.0)
+    restored = runlog.EpisodeStats(window=3)
+    restored.load_state_dict(stats.state_dict())
+    assert restored.count == 4 and restored.mean_return() == stats.mean_return()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_status_line_non_tty_is_bounded():
+    stream = io.StringIO()  # not a terminal
+    clock = FakeClock()
+    status = runlog.StatusLine(1000, stream=stream, interval=30.0, clock=clock)
+    for step in range(1000):
+        clock.now += 1.0  # 1000 updates over 1000 "seconds"
+        status.update(step + 1, {"mean_episode_return": 2.5, "total_loss": 0.125, "other": 9})
+    status.close()
+    status.close()
+    lines = stream.getvalue().splitlines()
+    assert 1 <= len(lines) <= 1000 // 30 + 1
+    assert "\r" not in stream.getvalue()
+    assert lines[0].startswith("step 30/1000 (3.0%)")
+    assert "SPS 1" in lines[0] and "return 2.50" in lines[0] and "total_loss 0.125" in lines[0]
+
+
+def test_status_line_tty_redraws_in_place():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    clock = FakeClock()
+    status = runlog.StatusLine(100, stream=stream, clock=clock)
+    for step in range(1, 4):
+        clock.now += 1.0
+        status.update(step * 10, {})
+    status.close()
+    text = stream.getvalue()
+    assert text.count("\r") == 3 and text.count("\n") == 1 and text.endswith("\n")
