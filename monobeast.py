@@ -12,9 +12,6 @@ environments in the learner's own process (serial mode, for debuggers).
 """
 
 import argparse
-import json
-import multiprocessing as std_mp
-import os
 import queue
 import signal
 import sys
@@ -26,15 +23,12 @@ import numpy as np
 import torch
 from torch import multiprocessing as mp
 
-from beast import checkpoint as ckpt
 from beast import envs
 from beast import flags as beast_flags
-from beast import learner
-from beast import models
 from beast import runlog
+from beast import training
 
-ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_step",
-            "last_action")
+ENV_KEYS = training.ENV_KEYS
 
 
 def make_parser():
@@ -225,66 +219,6 @@ def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     return batch, state
 
 
-class Trainer:
-    """The learner's shared state: model, optimizer, counters, logs; one lock."""
-
-    def __init__(self, flags, run_dir, learner_model, actor_model, optimizer, scheduler,
-                 logger, step=0, episode_state=None):
-        self.flags = flags
-        self.run_dir = run_dir
-        self.model = learner_model
-        self.actor_model = actor_model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.logger = logger
-        self.lock = threading.Lock()
-        self.step = step
-        self.episodes = runlog.EpisodeStats(window=100)
-        if episode_state:
-            self.episodes.load_state_dict(episode_state)
-        self.stats = {}
-        self.next_log_step = step + flags.log_interval_steps
-        self.start_step = step
-        self.start_time = time.time()
-        self.error_count = None
-
-    def learn(self, batch, state):
-        with self.lock:
-            stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                                       batch, state)
-            if self.actor_model is not self.model:
-                self.actor_model.load_state_dict(self.model.state_dict())
-            returns, lengths = learner.episode_stats(batch)
-            self.episodes.add(returns, lengths)
-            self.step += self.flags.unroll_length * self.flags.batch_size
-            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
-            stats["mean_episode_return"] = self.episodes.mean_return()
-            stats["episodes"] = self.episodes.count
-            stats["sps"] = (self.step - self.start_step) / max(1e-9, time.time() - self.start_time)
-            if self.error_count is not None:
-                stats["env_errors"] = self.error_count.value
-            self.stats = stats
-            if self.step >= self.next_log_step or self.step >= self.flags.total_steps:
-                self.logger.log(self.step, stats)
-                while self.next_log_step <= self.step:
-                    self.next_log_step += self.flags.log_interval_steps
-
-    def done(self):
-        return self.step >= self.flags.total_steps
-
-    def save(self):
-        with self.lock:
-            state = dict(
-                model_state_dict=self.model.state_dict(),
-                optimizer_state_dict=self.optimizer.state_dict(),
-                scheduler_state_dict=self.scheduler.state_dict(),
-                step=self.step,
-                flags=ckpt.plain_flags(self.flags),
-                episodes=self.episodes.state_dict(),
-            )
-            ckpt.save_checkpoint(self.run_dir.checkpoint_path, state)
-
-
 def learner_loop(trainer, flags, full_queue, free_queue, buffers, state_buffers, device,
                  errors):
     try:
@@ -301,50 +235,16 @@ def learner_loop(trainer, flags, full_queue, free_queue, buffers, state_buffers,
 # ----------------------------------------------------------------------------
 # Set-up shared by training and testing.
 
-class UserError(Exception):
-    """A problem the user can fix; printed as one message, no traceback."""
+# ----------------------------------------------------------------------------
+# Training.
 
-
-def parse_flags(argv=None):
-    parser = make_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    flags = parser.parse_args(argv)
-    flags.given = beast_flags.explicit_flags(parser, argv)
-    return flags
-
-
-def prepare(flags):
-    """Resolves the run directory, saved flags and environment defaults, and
-    checks everything before any work starts. Returns (run_dir, info, checkpoint)."""
-    try:
-        run_dir = runlog.RunDir(flags.savedir, flags.xpid)
-    except runlog.RunDirError as e:
-        raise UserError(str(e)) from None
-    flags.xpid = run_dir.xpid
-    checkpoint = None
-    if os.path.exists(run_dir.checkpoint_path):
-        if os.path.exists(run_dir.flags_path):
-            with open(run_dir.flags_path) as f:
-                beast_flags.merge_saved_flags(flags, json.load(f), flags.given)
-        try:
-            checkpoint = ckpt.load_checkpoint(run_dir.checkpoint_path)
-        except ckpt.CheckpointError as e:
-            raise UserError(str(e)) from None
-    elif flags.mode == "test":
-        raise UserError(f"No checkpoint at {run_dir.checkpoint_path}: train with "
-                        f"--xpid {flags.xpid} first, or give the --xpid of a trained run.")
-    try:
-        info = envs.env_info(flags)
-    except (ValueError, ImportError) as e:
-        raise UserError(str(e)) from None
-    beast_flags.apply_env_defaults(flags, info)
+def variant_defaults(flags, info):
+    """MonoBeast's own env-dependent flags; returns the problems found."""
     if flags.envs_per_actor is None:
         flags.envs_per_actor = 4 if info["is_atari"] else 8
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
-    if flags.num_torch_threads is None:
-        flags.num_torch_threads = beast_flags.default_num_torch_threads()
     problems = []
     if flags.num_actors < 0:
         problems.append(f"--num_actors must not be negative (got {flags.num_actors}).")
@@ -356,62 +256,29 @@ def prepare(flags):
     if flags.num_actors > 0 and flags.num_buffers < flags.num_actors * flags.envs_per_actor:
         problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --num_actors x "
                         f"--envs_per_actor ({flags.num_actors * flags.envs_per_actor}).")
-    try:
-        beast_flags.validate_flags(flags, problems)
-    except beast_flags.FlagError as e:
-        raise UserError(str(e)) from None
-    if checkpoint is not None:
-        try:
-            ckpt.check_compatible(checkpoint["flags"], flags)
-        except ckpt.CheckpointError as e:
-            raise UserError(str(e)) from None
-    return run_dir, info, checkpoint
+    return problems
 
-
-def build_model(flags, info):
-    try:
-        return models.create_model(flags, tuple(info["observation_shape"]), info["num_actions"])
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-# ----------------------------------------------------------------------------
-# Training.
 
 def train(flags):
-    run_dir, info, checkpoint = prepare(flags)
+    run_dir, info, checkpoint = training.prepare(flags, variant_defaults)
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)
-    device = torch.device("cuda" if torch.cuda.is_available() and not flags.disable_cuda
-                          else "cpu")
-    flags.device = str(device)
-
-    actor_model = build_model(flags, info)
-    learner_model = build_model(flags, info).to(device)
-    optimizer, scheduler = learner.create_optimizer(flags, learner_model)
-    step, episode_state = 0, None
-    if checkpoint is not None:
-        learner_model.load_state_dict(checkpoint["model_state_dict"])
-        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
-        scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
-        step = int(checkpoint["step"])
-        episode_state = checkpoint.get("episodes")
-        print(f"Resuming {run_dir.path} from step {step}.", file=sys.stderr)
-    actor_model.load_state_dict(learner_model.state_dict())
-    actor_model.share_memory()
-
     runlog.write_metadata(run_dir, flags)
     logger = runlog.StatsLogger(run_dir)
-    trainer = Trainer(flags, run_dir, learner_model, actor_model, optimizer, scheduler,
-                      logger, step=step, episode_state=episode_state)
-    specs = rollout_specs(flags, info)
-    buffers = create_buffers(flags, specs)
-    state_buffers = create_state_buffers(actor_model, flags.num_buffers)
+    trainer = training.create_learner(flags, info, run_dir, checkpoint, logger)
+    device = torch.device(flags.device)
+    # Actors read weights from a CPU copy in shared memory.
+    actor_model = training.build_model(flags, info)
+    actor_model.load_state_dict(trainer.model.state_dict())
+    actor_model.share_memory()
+    trainer.actor_model = actor_model
 
+    buffers = create_buffers(flags, rollout_specs(flags, info))
+    state_buffers = create_state_buffers(actor_model, flags.num_buffers)
     status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
-    stop = install_signal_handlers()
-    evaluator = Evaluator(flags, info)
+    stop = training.install_signal_handlers()
+    evaluator = training.Evaluator(flags, info)
     try:
         if flags.num_actors == 0:
             train_serial(flags, trainer, buffers, state_buffers, device, status, evaluator, stop)
@@ -423,7 +290,6 @@ def train(flags):
             status.close()
         trainer.save()
         logger.close()
-        evaluator.close()
     print(f"Trained to step {trainer.step}; mean episode return "
           f"{trainer.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
     return trainer
@@ -516,99 +382,23 @@ def train_serial(flags, trainer, buffers, state_buffers, device, status, evaluat
         sampler.close()
 
 
-def install_signal_handlers():
-    """SIGTERM and SIGINT set an event; the main loop stops and checkpoints."""
-    stop = threading.Event()
-
-    def handler(signum, frame):
-        if stop.is_set():  # A second Ctrl-C: stop at once.
-            raise KeyboardInterrupt
-        stop.set()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-    return stop
-
-
 # ----------------------------------------------------------------------------
 # Evaluation and testing.
 
-def play_episodes(flags, model, num_episodes, seed):
-    """Plays whole games with `model` on a fresh environment; returns their returns."""
-    env = envs.RolloutAdapter(envs.create_env(flags), seed=seed)
-    returns = []
-    try:
-        env_output = env.initial()
-        state = model.initial_state(1)
-        while len(returns) < num_episodes:
-            inputs = {k: torch.as_tensor(np.asarray(env_output[k])).view(1, 1, *np.shape(env_output[k]))
-                      for k in ENV_KEYS}
-            with torch.no_grad():
-                output, state = model(inputs, state)
-            env_output = env.step(int(output["action"].item()))
-            if env_output["game_over"]:
-                returns.append(float(env_output["episode_return"]))
-    finally:
-        env.close()
-    return returns
-
-
-class Evaluator:
-    """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
-    episodes on separate environments, logged apart from training episodes."""
-
-    def __init__(self, flags, info):
-        self.flags = flags
-        self.info = info
-        self.next_step = flags.eval_interval_steps
-        self.model = None
-        self.count = 0
-
-    def maybe_run(self, trainer):
-        if self.flags.eval_interval_steps <= 0 or trainer.step < self.next_step:
-            return
-        while self.next_step <= trainer.step:
-            self.next_step += self.flags.eval_interval_steps
-        if self.model is None:
-            self.model = build_model(self.flags, self.info)
-        with trainer.lock:
-            self.model.load_state_dict(trainer.actor_model.state_dict())
-            step = trainer.step
-        self.count += 1
-        returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
-                                seed=10_000_000 + self.count)
-        with trainer.lock:
-            trainer.logger.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
-                                      "eval_episodes": len(returns)})
-
-    def close(self):
-        pass
+def parse_flags(argv=None):
+    parser = make_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    flags = parser.parse_args(argv)
+    flags.given = beast_flags.explicit_flags(parser, argv)
+    return flags
 
 
 def test(flags):
-    run_dir, info, checkpoint = prepare(flags)
-    torch.set_num_threads(flags.num_torch_threads)
-    model = build_model(flags, info)
-    model.load_state_dict(checkpoint["model_state_dict"])
-    returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345)
-    print(f"Played {len(returns)} episodes with the checkpoint of step {checkpoint['step']}: "
-          f"mean return {np.mean(returns):.2f} (min {np.min(returns):.1f}, "
-          f"max {np.max(returns):.1f}).")
-    return returns
+    return training.test(flags, variant_defaults)
 
 
 def main(argv=None):
-    flags = parse_flags(argv)
-    try:
-        if flags.mode == "train":
-            train(flags)
-        else:
-            test(flags)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return training.run_main(parse_flags(argv), train, test)
 
 
 if __name__ == "__main__":

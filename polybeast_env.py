@@ -50,6 +50,10 @@ def make_parser():
                         help="Serve over TCP instead: HOST:PORT (or tcp:HOST:PORT); server i "
                              "listens at HOST:PORT+i. A non-loopback HOST accepts connections "
                              "from other machines, without authentication.")
+    parser.add_argument("--exit_with_parent", action="store_true",
+                        help="Stop the servers when the process that started this one is gone "
+                             "(python -m polybeast passes it, so a killed learner leaves no "
+                             "servers behind).")
     return parser
 
 
@@ -138,6 +142,7 @@ def _remove_socket(address):
 
 
 def main(argv=None):
+    parent = os.getppid()  # before anything slow: the parent may die while we start
     flags = make_parser().parse_args(argv)
     if flags.num_servers < 1:
         sys.exit(f"--num_servers must be at least 1 (got {flags.num_servers}).")
@@ -162,6 +167,10 @@ def main(argv=None):
             process.start()
         print(f"polybeast_env: serving {flags.env} at {', '.join(addresses)}", flush=True)
         while not stop.wait(0.5):
+            if flags.exit_with_parent and os.getppid() != parent:
+                print("polybeast_env: the process that started us is gone; stopping",
+                      file=sys.stderr, flush=True)
+                break
             failed = next((p for p in processes if not p.is_alive()), None)
             if failed is not None:
                 print(f"polybeast_env: {failed.name} exited with status {failed.exitcode}; "

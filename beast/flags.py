@@ -27,12 +27,15 @@ VECTOR_DEFAULTS = dict(
     total_steps=500_000,
     batch_size=16,
     unroll_length=20,
-    learning_rate=0.0015,
+    learning_rate=0.008,
     entropy_cost=0.01,
+    hidden_size=128,
     reward_clipping="none",
     episodic_life=False,
 )
-IMAGE_DEFAULTS = dict(VECTOR_DEFAULTS, model="atari", total_steps=5_000_000)
+IMAGE_DEFAULTS = dict(VECTOR_DEFAULTS, model="atari", total_steps=5_000_000,
+                      learning_rate=0.00048)
+ATARI_DEFAULTS["hidden_size"] = 128  # Unused by the conv nets; kept for the checkpoint check.
 
 
 def add_common_flags(parser):
@@ -81,8 +84,8 @@ def add_common_flags(parser):
                              "or an MLP (default: chosen from the observation).")
     parser.add_argument("--use_lstm", action="store_true",
                         help="Add an LSTM core to the model.")
-    parser.add_argument("--hidden_size", type=int, default=64,
-                        help="Width of the MLP's hidden layers.")
+    parser.add_argument("--hidden_size", type=int, default=None,
+                        help="Width of the MLP's hidden layers (default: 128).")
 
     # Loss.
     parser.add_argument("--entropy_cost", type=float, default=None,
@@ -98,7 +101,7 @@ def add_common_flags(parser):
     # Optimizer (RMSprop, as in TorchBeast).
     parser.add_argument("--learning_rate", type=float, default=None,
                         help="Initial learning rate, decayed linearly to 0 at "
-                             "total_steps (default: 0.00048 Atari, 0.0015 vector).")
+                             "total_steps (default: 0.00048 Atari, 0.008 vector).")
     parser.add_argument("--alpha", type=float, default=0.99,
                         help="RMSprop smoothing constant.")
     parser.add_argument("--momentum", type=float, default=0.0,

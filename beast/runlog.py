@@ -37,9 +37,11 @@ class RunDir:
         xpid: name of this run. None picks a fresh name "beast-YYYYmmdd-HHMMSS"
             (with a "-2", "-3", ... suffix if that directory already exists).
             An existing run directory is reused, which is how a run is resumed.
+        create: make the directory now; with False only the paths are known
+            until create() is called (so flags can be checked first).
     """
 
-    def __init__(self, savedir, xpid=None):
+    def __init__(self, savedir, xpid=None, create=True):
         savedir = os.path.abspath(os.path.expanduser(str(savedir)))
         if xpid is None:
             xpid = time.strftime("beast-%Y%m%d-%H%M%S")
@@ -50,6 +52,11 @@ class RunDir:
                 xpid = f"{base}-{n}"
         self.xpid = xpid
         self.path = os.path.join(savedir, xpid)
+        if create:
+            self.create()
+
+    def create(self):
+        """Creates the directory and checks that it can be written."""
         try:
             os.makedirs(self.path, exist_ok=True)
             # makedirs succeeds on a read-only existing directory; only a write tells.

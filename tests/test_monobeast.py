@@ -1,0 +1,237 @@
+"""MonoBeast end to end: learning, rollouts, resume, signals, bad input.
+
+Most tests run `python -m monobeast` in a subprocess with tiny flags, as a
+user would.
+"""
+
+import argparse
+import csv
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import monobeast
+from beast import envs, flags as beast_flags
+from beast import checkpoint as ckpt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_monobeast(tmp_path, *args, timeout=300, check=True):
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--no_progress",
+           *map(str, args)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def read_logs(run_dir):
+    with open(os.path.join(run_dir, "logs.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_learns_cartpole(tmp_path):
+    """The default vector-task settings reach a mean return of 400 over 100
+    episodes within 500k steps (about 20 s on two idle cores)."""
+    run_monobeast(tmp_path, "--env", "CartPole-v1", "--xpid", "cartpole",
+                  "--total_steps", 500_000, "--log_interval_steps", 10_000, timeout=600)
+    rows = read_logs(tmp_path / "cartpole")
+    returns = [float(r["mean_episode_return"]) for r in rows]
+    assert max(returns) >= 400, f"did not learn CartPole: {returns}"
+    assert int(rows[-1]["step"]) >= 500_000
+
+
+def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False):
+    parser = monobeast.make_parser()
+    flags = parser.parse_args(["--env", env, "--unroll_length", str(unroll_length)]
+                              + (["--use_lstm"] if use_lstm else []))
+    info = envs.env_info(flags)
+    beast_flags.apply_env_defaults(flags, info)
+    flags.num_buffers = num_buffers
+    model = monobeast.training.build_model(flags, info)
+    buffers = monobeast.create_buffers(flags, monobeast.rollout_specs(flags, info))
+    state_buffers = monobeast.create_state_buffers(model, num_buffers)
+    sampler = monobeast.Sampler(flags, model, buffers, state_buffers, num_envs, seed=3)
+    return sampler, buffers, state_buffers, info
+
+
+def test_pong_rollouts_shapes_and_overlap():
+    """Two consecutive Pong unrolls: shapes, dtypes, and step T of the first
+    equals step 0 of the second for every key."""
+    T = 30
+    sampler, buffers, _, info = make_sampler("ALE/Pong-v5", T, num_envs=2)
+    try:
+        sampler.unroll([0, 1])
+        first = {k: v[:, [0, 1]].clone() for k, v in buffers.items()}
+        sampler.unroll([2, 3])
+        second = {k: v[:, [2, 3]].clone() for k, v in buffers.items()}
+    finally:
+        sampler.close()
+    assert first["frame"].shape == (T + 1, 2, 4, 84, 84)
+    assert first["frame"].dtype == torch.uint8
+    assert first["policy_logits"].shape == (T + 1, 2, info["num_actions"])
+    assert first["action"].dtype == torch.int64
+    for key in first:
+        assert torch.equal(first[key][T], second[key][0]), f"overlap broken for {key}"
+    # The action taken on obs t is the last_action seen at t + 1.
+    assert torch.equal(first["action"][:-1], first["last_action"][1:])
+    # Frame stacks shift by one frame per step within an episode.
+    for t in range(T):
+        for b in range(2):
+            if not first["done"][t + 1, b]:
+                assert torch.equal(first["frame"][t + 1, b, :3], first["frame"][t, b, 1:])
+    assert first["done"][0].all(), "the first step of a fresh environment is an episode start"
+
+
+def test_lstm_state_before_step_zero_is_stored():
+    """The stored initial core state reproduces the actor's outputs exactly."""
+    T = 5
+    sampler, buffers, state_buffers, _ = make_sampler("CartPole-v1", T, num_envs=2,
+                                                      use_lstm=True)
+    try:
+        sampler.unroll([0, 1])
+        sampler.unroll([2, 3])
+    finally:
+        sampler.close()
+    index = torch.tensor([2, 3])
+    batch = {k: v.index_select(1, index) for k, v in buffers.items()}
+    state = tuple(s.index_select(0, index).transpose(0, 1).contiguous() for s in state_buffers)
+    assert any(s.abs().sum() > 0 for s in state), "second unroll must start from a used state"
+    with torch.no_grad():
+        out, _ = sampler.model(batch, state)
+    torch.testing.assert_close(out["policy_logits"], batch["policy_logits"])
+    torch.testing.assert_close(out["baseline"], batch["baseline"])
+
+
+def test_pong_smoke_logs_episode_returns(tmp_path):
+    """A short Pong run: trains, finishes games (real returns in [-21, 21]),
+    writes logs.csv and a checkpoint."""
+    # One environment, so that a whole game (about 800 steps) fits in the run.
+    run_monobeast(tmp_path, "--env", "ALE/Pong-v5", "--xpid", "pong", "--num_actors", 1,
+                  "--envs_per_actor", 1, "--batch_size", 2, "--unroll_length", 40,
+                  "--total_steps", 2400, "--log_interval_steps", 160, timeout=400)
+    rows = read_logs(tmp_path / "pong")
+    assert int(rows[-1]["step"]) >= 2400
+    finished = [r for r in rows if float(r["episodes"]) > 0]
+    assert finished, "no Pong game finished in 2400 steps"
+    mean_return = float(finished[-1]["mean_episode_return"])
+    assert -21 <= mean_return <= 21 and mean_return != 0
+    assert os.path.exists(tmp_path / "pong" / "model.tar")
+    for name in ("flags.json", "meta.json"):
+        assert os.path.exists(tmp_path / "pong" / name)
+
+
+def test_resume_continues_counters_and_schedule(tmp_path):
+    run_monobeast(tmp_path, "--xpid", "r", "--total_steps", 20_000,
+                  "--log_interval_steps", 5_000)
+    first = ckpt.load_checkpoint(str(tmp_path / "r" / "model.tar"))
+    assert first["step"] >= 20_000
+    result = run_monobeast(tmp_path, "--xpid", "r", "--total_steps", 40_000,
+                           "--log_interval_steps", 5_000)
+    assert "Resuming" in result.stderr
+    second = ckpt.load_checkpoint(str(tmp_path / "r" / "model.tar"))
+    assert second["step"] >= 40_000
+    assert second["scheduler_state_dict"]["last_epoch"] > first["scheduler_state_dict"]["last_epoch"]
+    rows = read_logs(tmp_path / "r")
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps) and steps[-1] >= 40_000
+    # The learning rate continues its linear decay (to 0 at the new total).
+    assert float(rows[-1]["learning_rate"]) < float(rows[0]["learning_rate"])
+    test = run_monobeast(tmp_path, "--mode", "test", "--xpid", "r", "--test_episodes", 2)
+    assert "mean return" in test.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "s",
+           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        logs = tmp_path / "s" / "logs.csv"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (logs.exists() and len(read_logs(tmp_path / "s")) >= 2):
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    state = ckpt.load_checkpoint(str(tmp_path / "s" / "model.tar"))
+    assert state["step"] >= 2000
+    assert "--xpid s" in stderr
+
+
+def test_serial_mode(tmp_path):
+    run_monobeast(tmp_path, "--xpid", "serial", "--num_actors", 0, "--total_steps", 3000,
+                  "--log_interval_steps", 1000)
+    assert int(read_logs(tmp_path / "serial")[-1]["step"]) >= 3000
+
+
+def test_environment_errors_are_counted_not_fatal(tmp_path):
+    run_monobeast(tmp_path, "--env", "tests.flaky_env:FlakyCartPole-v0", "--xpid", "flaky",
+                  "--total_steps", 20_000, "--log_interval_steps", 5_000)
+    rows = read_logs(tmp_path / "flaky")
+    assert int(rows[-1]["step"]) >= 20_000
+    assert float(rows[-1]["env_errors"]) > 0
+
+
+def test_offline_evaluation_is_logged(tmp_path):
+    run_monobeast(tmp_path, "--xpid", "ev", "--total_steps", 12_000, "--log_interval_steps",
+                  4000, "--eval_interval_steps", 5000, "--eval_episodes", 2)
+    rows = read_logs(tmp_path / "ev")
+    evals = [r for r in rows if r.get("eval_mean_episode_return") not in ("", None)]
+    evals = [r for r in evals if not math.isnan(float(r["eval_mean_episode_return"]))]
+    assert len(evals) >= 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "NoSuchGame-v9"], "ale-py"),
+    (["--batch_size", 64, "--num_buffers", 8], "--num_buffers"),
+    (["--unroll_length", 0], "--unroll_length"),
+    (["--mode", "test", "--xpid", "never-trained"], "No checkpoint"),
+])
+def test_bad_input_gives_one_clear_message(tmp_path, args, message):
+    result = run_monobeast(tmp_path, *args, check=False, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir()), "nothing should be written for bad flags"
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    run_monobeast(tmp_path, "--xpid", "m", "--total_steps", 2000, "--hidden_size", 32)
+    before = (tmp_path / "m" / "model.tar").read_bytes()
+    result = run_monobeast(tmp_path, "--xpid", "m", "--total_steps", 4000, "--hidden_size", 64,
+                           check=False)
+    assert result.returncode == 2
+    assert "--hidden_size" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "m" / "model.tar").read_bytes() == before
+
+
+def test_unwritable_savedir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = subprocess.run([sys.executable, "-m", "monobeast", "--savedir", str(blocker),
+                             "--xpid", "x", "--total_steps", "100"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--savedir" in result.stderr and "Traceback" not in result.stderr
+    assert blocker.read_text() == "not a directory"
+
+
+def test_old_atari_ids_are_accepted():
+    flags = argparse.Namespace(env="PongNoFrameskip-v4", episodic_life=False)
+    info = envs.env_info(flags)
+    assert info["is_atari"] and tuple(info["observation_shape"]) == (4, 84, 84)
+    assert np.dtype(info["observation_dtype"]) == np.uint8
