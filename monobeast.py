@@ -34,7 +34,7 @@ ENV_KEYS = training.ENV_KEYS
 def make_parser():
     parser = argparse.ArgumentParser(
         description="MonoBeast: single-machine IMPALA.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=beast_flags.HelpFormatter)
     beast_flags.add_common_flags(parser)
     # Actors and buffers.
     parser.add_argument("--num_actors", type=int, default=2,

@@ -231,3 +231,14 @@ def merge_saved_flags(flags, saved, given):
             continue
         setattr(flags, key, value)
     return flags
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it (or it is None,
+    meaning 'chosen from the environment')."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)

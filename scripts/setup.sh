@@ -1,9 +1,36 @@
 #!/usr/bin/env bash
-# Installs the Python packages (CPU PyTorch pinned) and builds the C++ extension.
-# Debian/Ubuntu packages for the extension: see the README (or run .ci/run as root).
+# Sets up everything on a fresh machine: the system's gRPC/protobuf toolchain
+# (Debian/Ubuntu, when missing), the Python packages (CPU PyTorch pinned) and
+# the C++ extension of PolyBeast. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --upgrade pip
-# Pinned: an unpinned torch pulls a multi-gigabyte CUDA build.
-python -m pip install -q "torch==2.13.0" -r requirements.txt
-python -m pip install -q --no-build-isolation -e .
+
+have_grpc() {
+    command -v pkg-config >/dev/null && pkg-config --exists grpc++ protobuf \
+        && command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null
+}
+if ! have_grpc; then
+    if command -v apt-get >/dev/null; then
+        SUDO=""
+        if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+        export DEBIAN_FRONTEND=noninteractive
+        $SUDO apt-get update -q
+        $SUDO apt-get install -y -q --no-install-recommends build-essential pkg-config \
+            libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
+    else
+        echo "Install gRPC and protobuf development files first (see README.md:" \
+             "conda-forge 'grpc-cpp libprotobuf', or Homebrew 'grpc protobuf pkg-config')." >&2
+        exit 1
+    fi
+fi
+
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" -m pip install -q --upgrade pip
+# Pinned: an unpinned torch pulls a multi-gigabyte CUDA build. On a GPU
+# machine, install the CUDA build of torch yourself first and drop this pin.
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    "$PYTHON" -m pip install -q "torch==2.13.0"
+fi
+"$PYTHON" -m pip install -q -r requirements.txt
+"$PYTHON" -m pip install -q --no-build-isolation -e .
+"$PYTHON" -c "import libpolybeast, torch; print('set-up done: torch', torch.__version__)"
