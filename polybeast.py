@@ -89,17 +89,30 @@ def actor_addresses(flags):
     return [servers[i % len(servers)] for i in range(flags.num_actors)]
 
 
+def inference_batch_size(flags):
+    if flags.inference_batch_size is None:
+        return max(1, flags.num_actors)
+    return flags.inference_batch_size
+
+
+def learner_queue_size(flags):
+    if flags.max_learner_queue_size is None:
+        return flags.batch_size
+    return flags.max_learner_queue_size
+
+
 def variant_defaults(flags, info):
-    """PolyBeast's own flags: fills the defaults, returns the problems found."""
+    """Checks PolyBeast's own flags; returns the problems found.
+
+    inference_batch_size and max_learner_queue_size stay None when not given
+    (see the two functions above), so that a resume with another --num_actors
+    or --batch_size does not inherit sizes derived from the old ones.
+    """
     if flags.server_addresses:
         flags.no_start_servers = True
         servers = [a.strip() for a in flags.server_addresses.split(",") if a.strip()]
         if "num_actors" not in flags.given and servers:
             flags.num_actors = len(servers)
-    if flags.inference_batch_size is None:
-        flags.inference_batch_size = max(1, flags.num_actors)
-    if flags.max_learner_queue_size is None:
-        flags.max_learner_queue_size = flags.batch_size
     problems = []
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
@@ -108,10 +121,10 @@ def variant_defaults(flags, info):
     if flags.num_inference_threads < 1:
         problems.append(f"--num_inference_threads must be at least 1 "
                         f"(got {flags.num_inference_threads}).")
-    if flags.inference_batch_size < 1:
+    if flags.inference_batch_size is not None and flags.inference_batch_size < 1:
         problems.append(f"--inference_batch_size must be at least 1 "
                         f"(got {flags.inference_batch_size}).")
-    if flags.max_learner_queue_size < flags.batch_size:
+    if learner_queue_size(flags) < flags.batch_size:
         # The queue hands out batch_size rollouts at once: a shorter one never fills.
         problems.append(f"--max_learner_queue_size ({flags.max_learner_queue_size}) must be at "
                         f"least --batch_size ({flags.batch_size}).")
@@ -182,19 +195,16 @@ class LocalEnvServers:
                                         stdout=subprocess.DEVNULL)
         return self
 
-    @property
-    def pid(self):
-        return None if self.process is None else self.process.pid
-
     def exit_code(self):
         """None while the servers run."""
         return None if self.process is None else self.process.poll()
 
-    def wait_until_listening(self, timeout_s):
-        """Blocks until every socket exists. Raises UserError if the servers exit or time out."""
+    def wait_until_listening(self, timeout_s, stop):
+        """Blocks until every socket exists or `stop` is set. Raises UserError if the
+        servers exit or do not listen within timeout_s."""
         paths = [a[len("unix:"):] for a in self.addresses]
         deadline = time.monotonic() + timeout_s
-        while not all(os.path.exists(p) for p in paths):
+        while not all(os.path.exists(p) for p in paths) and not stop.is_set():
             code = self.exit_code()
             if code is not None:
                 raise training.UserError(
@@ -261,7 +271,7 @@ def to_torch(array, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def inference(index, flags, inference_batcher, models, device, errors):
+def inference(index, inference_batcher, models, device, errors):
     """Inference thread: answers batches of actor requests until the batcher closes.
 
     A batch holds one step of B actors: env_outputs arrays are [T=1, B, ...]
@@ -314,19 +324,20 @@ def train(flags):
     run_dir, info, checkpoint = training.prepare(flags, variant_defaults)
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
-    # One process runs the learner and the inference threads, and on one
-    # machine the env servers want cores too. Intra-op threads are set once
-    # for the process (--num_torch_threads); the inference forward passes are
-    # small ([1, B] with B <= inference_batch_size) and mostly below
-    # PyTorch's parallel grain, so in practice the learner's step is what
-    # uses them.
+    # The learner step and the inference forward passes run in this one
+    # process and share its intra-op threads (--num_torch_threads, set once:
+    # PyTorch's thread count is per process, not per Python thread). The
+    # inference batches are small ([1, B], B <= inference_batch_size), so
+    # most of their ops stay below PyTorch's parallel grain and the learner
+    # step is what the threads are for.
     torch.set_num_threads(flags.num_torch_threads)
-    servers = None
-    if not flags.no_start_servers:
-        servers = LocalEnvServers(flags, flags.num_actors)
+    # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run
+    # through the finally blocks below, which also stop the env servers.
+    stop = training.install_signal_handlers()
+    servers = None if flags.no_start_servers else LocalEnvServers(flags, flags.num_actors)
     try:
         if servers is not None:
-            servers.start()  # they start up while we build the model
+            servers.start()  # they start up while we build the models
             addresses = servers.addresses
         else:
             addresses = actor_addresses(flags)
@@ -346,13 +357,15 @@ def train(flags):
             replicas.append(replica)
         trainer.actor_model = InferenceModels(replicas)
         status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
-        stop = training.install_signal_handlers()
         evaluator = training.Evaluator(flags, info)
         try:
             if servers is not None:
-                servers.wait_until_listening(flags.connect_timeout_s)
-            train_loop(flags, trainer, replicas[0], addresses, servers, device, status,
-                       evaluator, stop)
+                servers.wait_until_listening(flags.connect_timeout_s, stop)
+            if stop.is_set():
+                print("Stopping on request before training started.", file=sys.stderr)
+            else:
+                train_loop(flags, trainer, replicas[0], addresses, servers, device, status,
+                           evaluator, stop)
         finally:
             if servers is not None:
                 servers.stop()
@@ -362,7 +375,7 @@ def train(flags):
             logger.close()
     finally:
         if servers is not None:
-            servers.stop()
+            servers.stop()  # also when the set-up above failed
     print(f"Trained to step {trainer.step}; mean episode return "
           f"{trainer.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
     return trainer
@@ -372,11 +385,11 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
     """Runs actors, inference and learner threads until total_steps or a stop."""
     learner_queue = libpolybeast.BatchingQueue(
         batch_dim=1, minimum_batch_size=flags.batch_size, maximum_batch_size=flags.batch_size,
-        maximum_queue_size=flags.max_learner_queue_size)
+        maximum_queue_size=learner_queue_size(flags))
     # Minimum 1: a batch is whatever requests came in during the previous
     # forward pass, so no actor waits for others to catch up.
     inference_batcher = libpolybeast.DynamicBatcher(
-        batch_dim=1, minimum_batch_size=1, maximum_batch_size=flags.inference_batch_size)
+        batch_dim=1, minimum_batch_size=1, maximum_batch_size=inference_batch_size(flags))
     # The agent state of one actor has batch dim 1: [layers, 1, hidden].
     initial_agent_state = tuple(s.numpy() for s in model.initial_state(1))
     actor_pool = libpolybeast.ActorPool(
@@ -388,8 +401,8 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
     pool_thread = threading.Thread(target=run_actor_pool, name="actor-pool", daemon=True,
                                    args=(actor_pool, pool_errors))
     threads = [threading.Thread(target=inference, name=f"inference-{i}", daemon=True,
-                                args=(i, flags, inference_batcher, trainer.actor_model,
-                                      device, errors))
+                                args=(i, inference_batcher, trainer.actor_model, device,
+                                      errors))
                for i in range(flags.num_inference_threads)]
     threads += [threading.Thread(target=learn, name=f"learner-{i}", daemon=True,
                                  args=(flags, learner_queue, trainer, device, errors))

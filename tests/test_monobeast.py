@@ -38,11 +38,14 @@ def read_logs(run_dir):
         return list(csv.DictReader(f))
 
 
-def test_learns_cartpole(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_learns_cartpole(tmp_path, precision):
     """The default vector-task settings reach a mean return of 400 over 100
-    episodes within 500k steps (about 20 s on two idle cores)."""
+    episodes within 500k steps (about 20 s on two idle cores), also with the
+    learner's forward pass in bf16."""
     run_monobeast(tmp_path, "--env", "CartPole-v1", "--xpid", "cartpole",
-                  "--total_steps", 500_000, "--log_interval_steps", 10_000, timeout=600)
+                  "--total_steps", 500_000, "--log_interval_steps", 10_000,
+                  "--precision", precision, timeout=600)
     rows = read_logs(tmp_path / "cartpole")
     returns = [float(r["mean_episode_return"]) for r in rows]
     assert max(returns) >= 400, f"did not learn CartPole: {returns}"

@@ -1,0 +1,242 @@
+"""Ceilings: each piece of a training step measured alone, in this process.
+
+  env_sps          RolloutAdapter(create_env(...)).step with random actions, one process
+  learner_ms       beast.learner.learn_step on a random [T+1, B] rollout
+  inference_ms     the acting forward pass (no grad, T=1) on a batch of B environments
+
+Every measurement is cached in a `Ceilings` object, so the compute bound of an
+end-to-end configuration asks for what it needs and reuses what the ceiling
+sections have already measured (or measures it then, with --only e2e).
+
+Costs used for the bound are taken with one intra-op thread: one thread's wall
+time is the number of core-seconds the work needs, whatever else runs on the
+machine. (Spread over more threads the same work costs at least as many
+core-seconds, so the bound stays an upper bound.)
+"""
+
+import argparse
+import collections
+import contextlib
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import monobeast
+from beast import envs
+from beast import flags as beast_flags
+from beast import learner
+from beast import models
+
+# What a network needs to be built and fed: the observation, the actions and its width.
+NetSpec = collections.namedtuple("NetSpec", "model hidden_size observation_shape num_actions")
+
+ATARI_NET = NetSpec("atari", 128, (4, 84, 84), 6)  # hidden_size: unused by the conv net
+CARTPOLE_NET = NetSpec("mlp", beast_flags.VECTOR_DEFAULTS["hidden_size"], (4,), 2)
+NULL_NET = NetSpec("mlp", 8, (4,), 2)
+
+
+def net_label(net):
+    if net.model == "mlp":
+        return f"MLP {net.hidden_size} (obs {net.observation_shape[0]}, {net.num_actions} actions)"
+    shape = "x".join(map(str, net.observation_shape))
+    name = {"atari": "Atari net", "resnet": "ResNet"}.get(net.model, net.model)
+    return f"{name} ({shape}, {net.num_actions} actions)"
+
+
+def net_flags(net, precision="fp32"):
+    """MonoBeast's flags for a network, with the repo's defaults for that kind of input.
+
+    Returns (flags, info) as the learner would see them: T, B, learning rate,
+    costs, etc. come from beast.flags (ATARI_DEFAULTS or VECTOR_DEFAULTS).
+    """
+    is_image = len(net.observation_shape) == 3
+    info = dict(
+        observation_shape=tuple(net.observation_shape),
+        observation_dtype=np.dtype(np.uint8 if is_image else np.float32),
+        num_actions=net.num_actions,
+        is_atari=is_image,
+        is_image=is_image,
+    )
+    argv = ["--model", net.model, "--hidden_size", str(net.hidden_size),
+            "--precision", precision]
+    flags = monobeast.make_parser().parse_args(argv)
+    beast_flags.apply_env_defaults(flags, info)
+    flags.total_steps = 10**12  # keeps the learning rate schedule away from zero
+    return flags, info
+
+
+def build_net(flags, info):
+    return models.create_model(flags, info["observation_shape"], info["num_actions"])
+
+
+def random_rollout(flags, info, length, batch_size, seed=0):
+    """A rollout dict of random tensors [length, batch_size, ...] in MonoBeast's buffer layout."""
+    generator = torch.Generator().manual_seed(seed)
+    rollout = {}
+    for key, (shape, dtype) in monobeast.rollout_specs(flags, info).items():
+        size = (length, batch_size) + tuple(shape)
+        if dtype == torch.uint8:
+            value = torch.randint(0, 256, size, dtype=dtype, generator=generator)
+        elif dtype == torch.bool:
+            value = torch.rand(size, generator=generator) < 0.01  # episode ends are rare
+        elif dtype.is_floating_point:
+            value = torch.randn(size, generator=generator).to(dtype)
+        else:  # actions, last actions, episode steps
+            value = torch.randint(0, info["num_actions"], size, dtype=dtype, generator=generator)
+        rollout[key] = value
+    return rollout
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def time_calls(fn, min_calls, budget_s, warmup=1, max_calls=20_000):
+    """Calls fn `warmup` times untimed, then until it has been called at least
+    min_calls times and budget_s seconds have passed. Returns the seconds of each timed call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_calls:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if len(times) >= min_calls and t1 - start >= budget_s:
+            break
+    return times
+
+
+def summary(values):
+    """dict(median, min, max, n) of a list of numbers."""
+    return dict(median=statistics.median(values), min=min(values), max=max(values), n=len(values))
+
+
+class Ceilings:
+    """Cached ceiling measurements. `budget` scales the time each one may take (quick: small)."""
+
+    def __init__(self, quick, log=print):
+        self.quick = quick
+        self.log = log
+        self._env = {}
+        self._learner = {}
+        self._inference = {}
+
+    # -- environment stepping ----------------------------------------------------------------
+
+    def env(self, env_id):
+        """Random-action steps per second of one env through RolloutAdapter, one process.
+
+        Returns dict(median, min, max, n) over n chunks of equal duration (steps/s).
+        """
+        if env_id not in self._env:
+            seconds, chunks = (2.4, 3) if self.quick else (8.0, 4)
+            self.log(f"env stepping: {env_id} ({seconds:g} s)")
+            self._env[env_id] = _measure_env(env_id, seconds, chunks)
+        return self._env[env_id]
+
+    # -- learner step -----------------------------------------------------------------------
+
+    def learner(self, net, precision="fp32", threads=1, unroll_length=None, batch_size=None):
+        """Seconds per learn_step (dict(median, min, max, n)) plus T and B used.
+
+        unroll_length / batch_size default to the repo's defaults for the net's input.
+        """
+        flags, _ = net_flags(net, precision)
+        T = unroll_length or flags.unroll_length
+        B = batch_size or flags.batch_size
+        key = (net, precision, threads, T, B)
+        if key not in self._learner:
+            min_steps, budget_s = (3, 1.5) if self.quick else (5, 6.0)
+            if net.model == "mlp":
+                min_steps, budget_s = 20, budget_s / 2
+            self.log(f"learner step: {net_label(net)} T={T} B={B} {precision} "
+                     f"{threads} thread(s)")
+            result = _measure_learner(net, precision, threads, T, B, min_steps, budget_s)
+            self._learner[key] = dict(result, unroll_length=T, batch_size=B)
+        return self._learner[key]
+
+    # -- inference ----------------------------------------------------------------------------
+
+    def inference(self, net, batch_size, threads=1):
+        """Seconds per acting forward pass of batch_size envs (dict(median, min, max, n))."""
+        key = (net, batch_size, threads)
+        if key not in self._inference:
+            budget_s = 0.5 if self.quick else 2.0
+            self.log(f"inference: {net_label(net)} batch {batch_size}, {threads} thread(s)")
+            self._inference[key] = _measure_inference(net, batch_size, threads, budget_s)
+        return self._inference[key]
+
+
+def _measure_env(env_id, seconds, chunks, check_every=64):
+    flags = argparse.Namespace(env=env_id, episodic_life=False, env_backend="gymnasium")
+    env = envs.RolloutAdapter(envs.create_env(flags), seed=0)
+    actions = np.random.default_rng(0).integers(0, env.num_actions, 4096).tolist()
+    try:
+        env.initial()
+        for i in range(200):  # warm-up: first episode, caches
+            env.step(actions[i])
+        rates = []
+        n = 0
+        for _ in range(chunks):
+            steps = 0
+            start = time.perf_counter()
+            deadline = start + seconds / chunks
+            while True:
+                for _ in range(check_every):
+                    env.step(actions[n & 4095])
+                    n += 1
+                steps += check_every
+                now = time.perf_counter()
+                if now >= deadline:
+                    break
+            rates.append(steps / (now - start))
+    finally:
+        env.close()
+    return summary(rates)
+
+
+def _measure_learner(net, precision, threads, unroll_length, batch_size, min_steps, budget_s):
+    flags, info = net_flags(net, precision)
+    flags.unroll_length, flags.batch_size = unroll_length, batch_size
+    torch.manual_seed(0)
+    with torch_threads(threads):
+        model = build_net(flags, info)
+        optimizer, scheduler = learner.create_optimizer(flags, model)
+        batch = random_rollout(flags, info, unroll_length + 1, batch_size)
+        state = model.initial_state(batch_size)
+
+        def step():
+            learner.learn_step(flags, model, optimizer, scheduler, batch, state)
+
+        # Two untimed steps: the first one allocates and (bf16) picks oneDNN kernels.
+        times = time_calls(step, min_steps, budget_s, warmup=2)
+    return summary(times)
+
+
+def _measure_inference(net, batch_size, threads, budget_s):
+    flags, info = net_flags(net)
+    torch.manual_seed(0)
+    with torch_threads(threads):
+        model = build_net(flags, info)  # training mode: actors sample their actions
+        rollout = random_rollout(flags, info, 1, batch_size)
+        inputs = {k: rollout[k] for k in ("frame", "reward", "done", "last_action")}
+        state = model.initial_state(batch_size)
+
+        def forward():
+            with torch.no_grad():
+                outputs, _ = model(inputs, state)
+            # As an actor does: its outputs go to NumPy to be written into the buffers.
+            return {k: v[0].numpy() for k, v in outputs.items()}
+
+        times = time_calls(forward, 10, budget_s, warmup=5)
+    return summary(times)

@@ -1,0 +1,389 @@
+"""PolyBeast end to end, each run as `python -m polybeast` in a subprocess: learning CartPole,
+an Atari smoke run and its resume, shutdown on SIGTERM, env servers started elsewhere, an env
+server killed and restarted mid-run, and the errors a user can fix.
+
+The rollouts themselves (layout, overlap, no rollout spanning a server restart) are checked in
+test_actor_pool.py; here we check what the learner makes of them."""
+
+import glob
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import polybeast
+from beast import checkpoint as ckpt
+from beast import runlog
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+WAIT_S = 120  # upper bound for anything a test waits on; never reached when things work
+
+# Learns CartPole-v1 to a mean return of 400 (last 100 episodes) in 100k-145k steps on two cores
+# (six runs of six); the learning rate decays to zero at 200k.
+CARTPOLE_LEARNS = ["--env", "CartPole-v1", "--num_actors", "4", "--batch_size", "4",
+                   "--unroll_length", "20", "--learning_rate", "0.003",
+                   "--total_steps", "200000", "--seed", "1"]
+
+
+def command(*args):
+    return [sys.executable, "-m", *args]
+
+
+def polybeast_args(tmp_path, *args, xpid="run"):
+    return ["polybeast", "--savedir", str(tmp_path / "runs"), "--xpid", xpid, "--no_progress",
+            *args]
+
+
+def child_env(tmp_path):
+    """TMPDIR inside tmp_path: the socket directory a run creates is the test's to inspect."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run(tmp_path, *args, timeout=WAIT_S):
+    """Runs python -m <args> to the end; returns the CompletedProcess (text output)."""
+    return subprocess.run(command(*args), cwd=REPO, env=child_env(tmp_path), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(tmp_path, name, *args):
+    """Starts python -m <args> in its own session; stdout and stderr go to tmp_path/name.log."""
+    log = open(tmp_path / f"{name}.log", "w")
+    process = subprocess.Popen(command(*args), cwd=REPO, env=child_env(tmp_path), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return process
+
+
+def output(tmp_path, name):
+    return (tmp_path / f"{name}.log").read_text()
+
+
+def stop_group(process, sig=signal.SIGTERM):
+    """Signals the process group of a process started by start() and reaps it."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+    try:
+        process.wait(WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(WAIT_S)
+
+
+def wait_for(condition, what, process=None, log=None):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"the process ended (status {process.returncode}) while waiting for "
+                        f"{what}:\n{log() if log else ''}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}:\n{log() if log else ''}")
+
+
+def logs(run_dir):
+    path = run_dir / "logs.csv"
+    return runlog.read_logs(path) if path.exists() else []
+
+
+def last_step(run_dir):
+    rows = logs(run_dir)
+    return int(rows[-1]["step"]) if rows else 0
+
+
+def descendants(pid):
+    """Pids of every living process below pid, from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid):
+    """True for a running process (a zombie, ended but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def checkpoint_step(run_dir):
+    return int(ckpt.load_checkpoint(run_dir / "model.tar")["step"])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class TwoHalves(torch.nn.Module):
+    """Reads its two parameters with a pause between them: a weight copy that lands in the
+    pause would show as two different values."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.zeros(1000))
+        self.second = torch.nn.Parameter(torch.zeros(1000))
+
+    def forward(self, inputs, core_state):
+        first = self.first.clone()
+        time.sleep(0.0005)
+        return (first, self.second.clone()), core_state
+
+
+def test_inference_never_sees_half_copied_weights():
+    models = polybeast.InferenceModels([TwoHalves(), TwoHalves()])
+    source = TwoHalves()
+    stop, seen = threading.Event(), []
+
+    def forward(index):
+        while not stop.is_set():
+            (first, second), _ = models.forward(index, {}, ())
+            seen.append((index, bool(torch.equal(first, second)), float(first[0])))
+
+    threads = [threading.Thread(target=forward, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for value in range(1, 300):
+            with torch.no_grad():
+                source.first.fill_(value)
+                source.second.fill_(value)
+            models.load_state_dict(source.state_dict())
+            time.sleep(0.0002)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+            assert not thread.is_alive()
+    assert {index for index, _, _ in seen} == {0, 1}
+    assert all(same for _, same, _ in seen), "a forward pass saw weights half-way through a copy"
+    assert len({value for _, _, value in seen}) > 10, "the copies and forward passes interleaved"
+    for replica in models.replicas:
+        assert float(replica.first.detach()[0]) == float(replica.second.detach()[0]) == 299
+
+
+@pytest.mark.timeout(600)
+def test_learns_cartpole(tmp_path):
+    """Mean return >= 400 over the last 100 episodes within 200k steps. The run is stopped with
+    SIGTERM as soon as logs.csv shows it, which also checks that a stopped run keeps its logs."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start(tmp_path, "learner", *polybeast_args(
+        tmp_path, *CARTPOLE_LEARNS, "--log_interval_steps", "2000"))
+    try:
+        def learned():
+            rows = logs(run_dir)
+            return any(row["mean_episode_return"] >= 400 for row in rows)
+
+        deadline = time.monotonic() + 540
+        while process.poll() is None and not learned() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stop_group(process)
+    rows = logs(run_dir)
+    assert rows, output(tmp_path, "learner")
+    best = max(rows, key=lambda row: row["mean_episode_return"])
+    assert best["mean_episode_return"] >= 400, (
+        f"best mean return {best['mean_episode_return']:.1f} at step {best['step']:.0f}, "
+        f"last step {rows[-1]['step']:.0f}")
+    assert process.returncode == 0, output(tmp_path, "learner")
+    assert checkpoint_step(run_dir) >= rows[-1]["step"]
+
+
+@pytest.mark.timeout(600)
+def test_atari_smoke_run_and_resume(tmp_path):
+    run_dir = tmp_path / "runs" / "pong"
+    args = ["--env", "ALE/Pong-v5", "--num_actors", "2", "--batch_size", "4",
+            "--unroll_length", "20", "--log_interval_steps", "80"]
+    result = run(tmp_path, *polybeast_args(tmp_path, *args, "--total_steps", "640", xpid="pong"),
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = logs(run_dir)
+    assert [int(row["step"]) for row in rows] == list(range(80, 641, 80))
+    assert "mean_episode_return" in rows[0] and "total_loss" in rows[0]
+    assert checkpoint_step(run_dir) == 640
+    assert (run_dir / "flags.json").exists() and (run_dir / "meta.json").exists()
+
+    result = run(tmp_path, *polybeast_args(tmp_path, *args, "--total_steps", "1280", xpid="pong"),
+                 timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "from step 640" in result.stderr
+    steps = [int(row["step"]) for row in logs(run_dir)]
+    assert steps == list(range(80, 1281, 80)), "the resumed run must go on from step 640"
+    assert checkpoint_step(run_dir) == 1280
+    assert (run_dir / "flags.json.1").exists(), "the first start's flags are kept"
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_everything_and_checkpoints(tmp_path):
+    run_dir = tmp_path / "runs" / "run"
+    process = start(tmp_path, "learner", *polybeast_args(
+        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
+        "--log_interval_steps", "500", "--checkpoint_interval_s", "100000"))
+    try:
+        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
+                 lambda: output(tmp_path, "learner"))
+        socket_dirs = glob.glob(str(tmp_path / f"polybeast-{process.pid}-*"))
+        assert len(socket_dirs) == 1, "the run makes its socket directory under TMPDIR"
+        servers = descendants(process.pid)
+        assert len(servers) >= 3, "polybeast_env and its two servers"
+        assert not (run_dir / "model.tar").exists()
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == 0, output(tmp_path, "learner")
+    assert "Stopping on request" in output(tmp_path, "learner")
+    assert checkpoint_step(run_dir) >= last_step(run_dir) > 0
+    assert wait_gone(servers) == [], "env server processes outlived the learner"
+    assert not os.path.exists(socket_dirs[0]), "the socket directory was left behind"
+
+
+@pytest.mark.timeout(300)
+def test_killed_learner_leaves_no_servers(tmp_path):
+    """SIGKILL gives the learner no chance to clean up: the servers notice on their own."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start(tmp_path, "learner", *polybeast_args(
+        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
+        "--log_interval_steps", "500"))
+    try:
+        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
+                 lambda: output(tmp_path, "learner"))
+        servers = descendants(process.pid)
+        assert servers
+    finally:
+        stop_group(process, signal.SIGKILL)
+    # Only the learner's own process group was killed: the servers run in their own session.
+    assert wait_gone(servers) == [], "env server processes outlived a killed learner"
+
+
+@pytest.mark.timeout(300)
+def test_servers_started_elsewhere(tmp_path):
+    servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
+                    "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
+    try:
+        wait_for(lambda: all(os.path.exists(tmp_path / f"env.{i}") for i in range(2)),
+                 "the env servers' sockets", servers, lambda: output(tmp_path, "servers"))
+        addresses = f"unix:{tmp_path}/env.0,unix:{tmp_path}/env.1"
+        # Four actors over two servers: two streams, two environments, on each.
+        result = run(tmp_path, *polybeast_args(
+            tmp_path, "--env", "CartPole-v1", "--server_addresses", addresses,
+            "--num_actors", "4", "--batch_size", "4", "--unroll_length", "20",
+            "--total_steps", "800", "--log_interval_steps", "80"))
+        assert result.returncode == 0, result.stderr
+        assert last_step(tmp_path / "runs" / "run") == 800
+        assert "authenticated" not in result.stderr, "unix sockets are local"
+        # The same servers again, named by --pipes_basename as TorchBeast did.
+        result = run(tmp_path, *polybeast_args(
+            tmp_path, "--env", "CartPole-v1", "--no_start_servers", "--pipes_basename",
+            f"unix:{tmp_path}/env", "--num_actors", "2", "--batch_size", "4",
+            "--unroll_length", "20", "--total_steps", "400", "--log_interval_steps", "80",
+            xpid="again"))
+        assert result.returncode == 0, result.stderr
+        assert last_step(tmp_path / "runs" / "again") == 400
+        assert servers.poll() is None, "the learner must not stop servers it did not start"
+    finally:
+        stop_group(servers)
+    assert servers.returncode == 0
+
+    # --mode test plays with the checkpoint on its own; no servers needed.
+    result = run(tmp_path, *polybeast_args(tmp_path, "--mode", "test", "--test_episodes", "1"))
+    assert result.returncode == 0, result.stderr
+    assert "Played 1 episodes" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_env_server_killed_and_restarted(tmp_path):
+    """With a single env server, training can only finish if the actors reconnect to it."""
+    server_args = ["polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
+                   "--pipes_basename", f"unix:{tmp_path}/env"]
+    socket = tmp_path / "env.0"
+    run_dir = tmp_path / "runs" / "run"
+    server = start(tmp_path, "server", *server_args)
+    learner = None
+    try:
+        wait_for(socket.exists, "the env server's socket", server,
+                 lambda: output(tmp_path, "server"))
+        learner = start(tmp_path, "learner", *polybeast_args(
+            tmp_path, "--env", "CartPole-v1", "--server_addresses", f"unix:{socket}",
+            "--num_actors", "2", "--batch_size", "4", "--unroll_length", "20",
+            "--total_steps", "20000", "--log_interval_steps", "400"))
+        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", learner,
+                 lambda: output(tmp_path, "learner"))
+        stop_group(server, signal.SIGKILL)  # polybeast_env and its server process, no cleanup
+        steps_at_kill = last_step(run_dir)
+        server = start(tmp_path, "server2", *server_args)  # the stale socket file is replaced
+        learner.wait(WAIT_S)
+    finally:
+        if learner is not None:
+            stop_group(learner, signal.SIGKILL)
+        stop_group(server)
+    err = output(tmp_path, "learner")
+    assert learner.returncode == 0, err
+    assert "lost the env server" in err and "reconnected" in err
+    rows = logs(run_dir)
+    assert int(rows[-1]["step"]) == 20000 > steps_at_kill
+    assert checkpoint_step(run_dir) == 20000
+
+
+def test_unreachable_servers_end_the_run_with_one_message(tmp_path):
+    address = f"unix:{tmp_path}/nobody"
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--server_addresses", address, "--connect_timeout_s", "1",
+        "--total_steps", "1000"))
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and address in result.stderr
+    assert "Traceback" not in result.stderr
+    run_dir = tmp_path / "runs" / "run"
+    assert (run_dir / "flags.json").exists()
+    assert checkpoint_step(run_dir) == 0
+
+
+def test_bad_flags_are_reported_together(tmp_path):
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--num_actors", "0", "--num_inference_threads", "0",
+        "--pipes_basename", "/tmp/not-a-unix-address", "--batch_size", "8",
+        "--max_learner_queue_size", "2"))
+    assert result.returncode == 2
+    for flag in ("--num_actors", "--num_inference_threads", "--pipes_basename",
+                 "--max_learner_queue_size"):
+        assert flag in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_non_loopback_address_warns(tmp_path):
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--server_addresses", "192.0.2.1:4000", "--connect_timeout_s", "1",
+        "--total_steps", "1000"))
+    assert "neither authenticated nor encrypted" in result.stderr
+    assert result.returncode == 2
