@@ -318,7 +318,6 @@ def train_parallel(flags, trainer, buffers, state_buffers, device, status, evalu
                for i in range(flags.num_learner_threads)]
     for thread in threads:
         thread.start()
-    last_checkpoint = time.time()
     try:
         while not trainer.done() and any(t.is_alive() for t in threads):
             time.sleep(0.2)
@@ -332,12 +331,7 @@ def train_parallel(flags, trainer, buffers, state_buffers, device, status, evalu
                                        f"{process.exitcode}; its traceback is above.")
             if errors:
                 raise errors[0]
-            if status is not None:
-                status.update(trainer.step, trainer.stats)
-            if time.time() - last_checkpoint > flags.checkpoint_interval_s:
-                trainer.save()
-                last_checkpoint = time.time()
-            evaluator.maybe_run(trainer)
+            trainer.housekeeping(status, evaluator)
         if errors:
             raise errors[0]
     finally:
@@ -363,7 +357,6 @@ def train_serial(flags, trainer, buffers, state_buffers, device, status, evaluat
     free_queue, full_queue = queue.SimpleQueue(), queue.SimpleQueue()
     for m in range(flags.num_buffers):
         free_queue.put(m)
-    last_checkpoint = time.time()
     try:
         while not trainer.done() and not stop.is_set():
             indices = [free_queue.get() for _ in range(flags.batch_size)]
@@ -372,12 +365,7 @@ def train_serial(flags, trainer, buffers, state_buffers, device, status, evaluat
                 full_queue.put(index)
             trainer.learn(*get_batch(flags, full_queue, free_queue, buffers, state_buffers,
                                      device))
-            if status is not None:
-                status.update(trainer.step, trainer.stats)
-            if time.time() - last_checkpoint > flags.checkpoint_interval_s:
-                trainer.save()
-                last_checkpoint = time.time()
-            evaluator.maybe_run(trainer)
+            trainer.housekeeping(status, evaluator)
     finally:
         sampler.close()
 

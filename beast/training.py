@@ -44,6 +44,7 @@ class Trainer:
         self.next_log_step = step + flags.log_interval_steps
         self.start_step = step
         self.start_time = time.time()
+        self.last_checkpoint = time.time()
         self.error_count = None
 
     def learn(self, batch, state):
@@ -71,6 +72,16 @@ class Trainer:
 
     def done(self):
         return self.step >= self.flags.total_steps
+
+    def housekeeping(self, status, evaluator):
+        """Called often by the main loop: the status line, periodic
+        checkpoints and offline evaluation."""
+        if status is not None:
+            status.update(self.step, self.stats)
+        if time.time() - self.last_checkpoint > self.flags.checkpoint_interval_s:
+            self.save()
+            self.last_checkpoint = time.time()
+        evaluator.maybe_run(self)
 
     def save(self):
         with self.lock:
