@@ -42,7 +42,7 @@ def make_parser():
                              "learner's process (serial mode, for debugging).")
     parser.add_argument("--envs_per_actor", type=int, default=None,
                         help="Environments each actor steps together, with one "
-                             "forward pass for all (default: 4 Atari, 8 vector).")
+                             "forward pass for all (default: 4 Atari, 32 vector).")
     parser.add_argument("--num_buffers", type=int, default=None,
                         help="Shared-memory rollout buffers "
                              "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size)).")
@@ -241,7 +241,7 @@ def learner_loop(trainer, flags, full_queue, free_queue, buffers, state_buffers,
 def variant_defaults(flags, info):
     """MonoBeast's own env-dependent flags; returns the problems found."""
     if flags.envs_per_actor is None:
-        flags.envs_per_actor = 4 if info["is_atari"] else 8
+        flags.envs_per_actor = 4 if info["is_atari"] else 32
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
@@ -278,13 +278,14 @@ def train(flags):
     state_buffers = create_state_buffers(actor_model, flags.num_buffers)
     status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
     stop = training.install_signal_handlers()
-    evaluator = training.Evaluator(flags, info)
+    evaluator = training.Evaluator(flags, info, trainer)
     try:
         if flags.num_actors == 0:
             train_serial(flags, trainer, buffers, state_buffers, device, status, evaluator, stop)
         else:
             train_parallel(flags, trainer, buffers, state_buffers, device, status, evaluator,
                            stop)
+        evaluator.maybe_run(trainer)  # The last snapshot, if training outran it.
     finally:
         if status is not None:
             status.close()

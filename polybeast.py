@@ -44,7 +44,7 @@ PER_START_FLAGS = {"no_start_servers", "server_addresses", "pipes_basename"}
 def make_parser():
     parser = argparse.ArgumentParser(
         description="PolyBeast: IMPALA with environment servers and a C++ actor pool.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=beast_flags.HelpFormatter)
     beast_flags.add_common_flags(parser)
     # Environment servers and actors.
     parser.add_argument("--num_actors", type=int, default=4,
@@ -116,6 +116,14 @@ def variant_defaults(flags, info):
     problems = []
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
+    if flags.num_torch_threads is None and not flags.no_start_servers:
+        # The env servers we start share this machine's cores with the
+        # learner. Leaving them a core each (as far as there are cores) was
+        # faster on two cores: Pong, 4 servers, batch 8, unroll 80: ~790 SPS
+        # with one intra-op thread, ~725 with two (OpenMP threads spinning
+        # while the servers wait for a core).
+        flags.num_torch_threads = max(1, beast_flags.default_num_torch_threads()
+                                      - flags.num_actors)
     if flags.num_actors < 1:
         problems.append(f"--num_actors must be at least 1 (got {flags.num_actors}).")
     if flags.num_inference_threads < 1:
@@ -149,6 +157,10 @@ def variant_defaults(flags, info):
         problems.append(f"--pipes_basename must start with 'unix:' (got "
                         f"{flags.pipes_basename!r}); use --server_addresses HOST:PORT,... "
                         "for TCP.")
+    elif flags.pipes_basename is not None and not flags.no_start_servers:
+        directory = os.path.dirname(flags.pipes_basename[len("unix:"):]) or "."
+        if not os.path.isdir(directory):
+            problems.append(f"--pipes_basename: the directory {directory} does not exist.")
     return problems
 
 
@@ -326,10 +338,10 @@ def train(flags):
     np.random.seed(flags.seed)
     # The learner step and the inference forward passes run in this one
     # process and share its intra-op threads (--num_torch_threads, set once:
-    # PyTorch's thread count is per process, not per Python thread). The
-    # inference batches are small ([1, B], B <= inference_batch_size), so
-    # most of their ops stay below PyTorch's parallel grain and the learner
-    # step is what the threads are for.
+    # PyTorch's thread count is per process, not per Python thread; see
+    # variant_defaults for the default). The inference batches are small
+    # ([1, B], B <= inference_batch_size) and gain little from more threads;
+    # the learner step is what the threads are for.
     torch.set_num_threads(flags.num_torch_threads)
     # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run
     # through the finally blocks below, which also stop the env servers.
@@ -357,7 +369,7 @@ def train(flags):
             replicas.append(replica)
         trainer.actor_model = InferenceModels(replicas)
         status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
-        evaluator = training.Evaluator(flags, info)
+        evaluator = training.Evaluator(flags, info, trainer)
         try:
             if servers is not None:
                 servers.wait_until_listening(flags.connect_timeout_s, stop)
@@ -366,6 +378,7 @@ def train(flags):
             else:
                 train_loop(flags, trainer, replicas[0], addresses, servers, device, status,
                            evaluator, stop)
+                evaluator.maybe_run(trainer)  # The last snapshot, if training outran it.
         finally:
             if servers is not None:
                 servers.stop()
@@ -410,7 +423,6 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
     learner_threads = threads[flags.num_inference_threads:]
     for thread in [pool_thread] + threads:
         thread.start()
-    last_checkpoint = time.time()
     try:
         while not trainer.done():
             time.sleep(0.2)
@@ -418,6 +430,9 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
                 print("\nStopping on request; the run can be resumed with "
                       f"--xpid {flags.xpid}.", file=sys.stderr)
                 break
+            # Read before the error lists: a thread records its error before it ends.
+            pool_ended = not pool_thread.is_alive()
+            learners_ended = not any(t.is_alive() for t in learner_threads)
             if pool_errors:
                 raise training.UserError(
                     f"{pool_errors[0]}\nThe actors stream from {', '.join(sorted(set(addresses)))}"
@@ -429,16 +444,11 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
                 raise training.UserError(
                     f"the env servers (python -m polybeast_env) exited with status "
                     f"{servers.exit_code()}; their message is above.")
-            if not pool_thread.is_alive() or not any(t.is_alive() for t in learner_threads):
+            if pool_ended or learners_ended:
                 if trainer.done():
                     break
                 raise RuntimeError("the actor pool or the learner threads ended unexpectedly.")
-            if status is not None:
-                status.update(trainer.step, trainer.stats)
-            if time.time() - last_checkpoint > flags.checkpoint_interval_s:
-                trainer.save()
-                last_checkpoint = time.time()
-            evaluator.maybe_run(trainer)
+            trainer.housekeeping(status, evaluator)
     finally:
         # Closing the queues wakes every thread: actors blocked in compute()
         # or enqueue(), the inference threads and the learner threads.

@@ -75,8 +75,9 @@ def add_common_flags(parser):
     parser.add_argument("--disable_cuda", action="store_true",
                         help="Train on the CPU even when a GPU is present.")
     parser.add_argument("--num_torch_threads", type=int, default=None,
-                        help="Intra-op threads of the learner process "
-                             "(default: all cores).")
+                        help="Intra-op threads of the learner process (default: all "
+                             "cores; PolyBeast with local servers: cores - num_actors, "
+                             "at least 1).")
 
     # Model.
     parser.add_argument("--model", default=None, choices=["atari", "resnet", "mlp"],

@@ -45,6 +45,7 @@ class Trainer:
         self.start_step = step
         self.start_time = time.time()
         self.last_checkpoint = time.time()
+        self.evaluator = None
         self.error_count = None
 
     def learn(self, batch, state):
@@ -65,6 +66,8 @@ class Trainer:
             if self.error_count is not None:
                 stats["env_errors"] = self.error_count.value
             self.stats = stats
+            if self.evaluator is not None:
+                self.evaluator.snapshot_if_due(self)
             if self.step >= self.next_log_step or self.step >= self.flags.total_steps:
                 self.logger.log(self.step, stats)
                 while self.next_log_step <= self.step:
@@ -198,34 +201,46 @@ def play_episodes(flags, model, num_episodes, seed):
 
 class Evaluator:
     """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
-    episodes on separate environments, logged apart from training episodes."""
+    episodes on separate environments, logged apart from training episodes.
 
-    def __init__(self, flags, info):
+    The learner takes a snapshot of the weights when a step crosses the
+    interval (Trainer.learn calls snapshot_if_due under its lock); the main
+    loop plays the episodes later, so learning never waits for them and no
+    evaluation is skipped however fast training runs.
+    """
+
+    def __init__(self, flags, info, trainer):
         self.flags = flags
         self.info = info
-        self.next_step = flags.eval_interval_steps
+        self.next_step = trainer.step + flags.eval_interval_steps
         self.model = None
+        self.pending = []  # (step, weights) waiting to be played, oldest first.
         self.count = 0
+        trainer.evaluator = self
 
-    def maybe_run(self, trainer):
+    def snapshot_if_due(self, trainer):
+        """Called with trainer.lock held."""
         if self.flags.eval_interval_steps <= 0 or trainer.step < self.next_step:
             return
         while self.next_step <= trainer.step:
             self.next_step += self.flags.eval_interval_steps
-        if self.model is None:
-            self.model = build_model(self.flags, self.info)
-        with trainer.lock:
-            self.model.load_state_dict(trainer.model.state_dict())
-            step = trainer.step
-        self.count += 1
-        returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
-                                seed=10_000_000 + self.count)
-        with trainer.lock:
-            trainer.logger.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
-                                      "eval_episodes": len(returns)})
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
+        # A few at most: if playing falls far behind, the oldest go unplayed.
+        self.pending = self.pending[-3:] + [(trainer.step, weights)]
 
-    def close(self):
-        pass
+    def maybe_run(self, trainer):
+        with trainer.lock:
+            pending, self.pending = self.pending, []
+        for step, weights in pending:
+            if self.model is None:
+                self.model = build_model(self.flags, self.info)
+            self.model.load_state_dict(weights)
+            self.count += 1
+            returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
+                                    seed=10_000_000 + self.count)
+            with trainer.lock:
+                trainer.logger.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
+                                          "eval_episodes": len(returns)})
 
 
 def test(flags, variant_defaults=None):
