@@ -48,8 +48,12 @@ def workloads():
           "TorchBeast's",
           ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
         W("mono-pong-default", "monobeast", "ALE/Pong-v5", "repo defaults", []),
+        W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "TorchBeast's, bf16 learner",
+          ["--num_actors", "4", "--envs_per_actor", "1", "--precision", "bf16", *tb_atari]),
         W("poly-pong", "polybeast", "ALE/Pong-v5", "TorchBeast's B, T",
           ["--num_actors", "4", *tb_atari]),
+        W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "TorchBeast's B, T, bf16 learner",
+          ["--num_actors", "4", "--precision", "bf16", *tb_atari]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
         W("mono-null", "monobeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
@@ -275,7 +279,8 @@ def bound_of(ceil, workload, cores):
     env_s = 1.0 / ceil.env(workload.env)["max"]
     inference_s = ceil.inference(workload.net, workload.inference_batch)["min"] \
         / workload.inference_batch
-    learner_r = ceil.learner(workload.net, "fp32", 1, flags.unroll_length, flags.batch_size)
+    learner_r = ceil.learner(workload.net, getattr(flags, "precision", "fp32"), 1,
+                             flags.unroll_length, flags.batch_size)
     learner_s = learner_r["min"] / (flags.unroll_length * flags.batch_size)
     cost = env_s + inference_s + learner_s
     return dict(env=env_s, inference=inference_s, learner=learner_s, cost=cost, sps=cores / cost)
@@ -295,7 +300,7 @@ def section_bound(report, ceil, resolved, cores):
                "core-us per step", f"bound SPS ({cores} cores)"], rows),
         "Cost of one env step in core-microseconds: env step (1 / raw SPS) + inference "
         "(one-thread forward at the configuration's batch, divided by the batch) + learner "
-        "(one-thread fp32 step / (T*B)), each from the fastest of its measurements above "
+        "(one-thread step at the run's precision / (T*B)), each from the fastest of its measurements above "
         "(the best estimate of the work itself on a shared machine; the tables above show "
         "medians). Bound = cores / cost: the SPS if every core did "
         "nothing but this work. PolyBeast's inference batch is the largest its dynamic "
