@@ -233,10 +233,7 @@ def learner_loop(trainer, flags, full_queue, free_queue, buffers, state_buffers,
 
 
 # ----------------------------------------------------------------------------
-# Set-up shared by training and testing.
-
-# ----------------------------------------------------------------------------
-# Training.
+# Training (the set-up shared with PolyBeast lives in beast/training.py).
 
 def variant_defaults(flags, info):
     """MonoBeast's own env-dependent flags; returns the problems found."""
@@ -372,14 +369,10 @@ def train_serial(flags, trainer, buffers, state_buffers, device, status, evaluat
 
 
 # ----------------------------------------------------------------------------
-# Evaluation and testing.
+# The command line.
 
 def parse_flags(argv=None):
-    parser = make_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    flags = parser.parse_args(argv)
-    flags.given = beast_flags.explicit_flags(parser, argv)
-    return flags
+    return training.parse_flags(make_parser(), argv)
 
 
 def test(flags):

@@ -466,11 +466,7 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
 # Testing and the command line.
 
 def parse_flags(argv=None):
-    parser = make_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    flags = parser.parse_args(argv)
-    flags.given = beast_flags.explicit_flags(parser, argv) | PER_START_FLAGS
-    return flags
+    return training.parse_flags(make_parser(), argv, always_given=PER_START_FLAGS)
 
 
 def test(flags):

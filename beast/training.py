@@ -279,6 +279,15 @@ def create_learner(flags, info, run_dir, checkpoint, logger):
                    step=step, episode_state=episode_state)
 
 
+def parse_flags(parser, argv=None, always_given=()):
+    """Parses argv; records which flags were typed (they win over a resumed
+    run's saved flags), plus `always_given`, flags never taken from a saved run."""
+    argv = sys.argv[1:] if argv is None else argv
+    flags = parser.parse_args(argv)
+    flags.given = beast_flags.explicit_flags(parser, argv) | set(always_given)
+    return flags
+
+
 def run_main(flags, train_fn, test_fn):
     """Runs train or test; a UserError ends with its message and exit code 2."""
     try:

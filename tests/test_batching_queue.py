@@ -1,7 +1,6 @@
 """libpolybeast.BatchingQueue: one small test per rule, a many-producer/many-consumer stress test
 and a randomized comparison against np.concatenate."""
 
-import threading
 import time
 
 import numpy as np
@@ -10,19 +9,7 @@ import pytest
 import libpolybeast
 from libpolybeast import BatchingQueue, ClosedBatchingQueue
 
-JOIN_TIMEOUT_S = 30
-
-
-def start(target, *args):
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
-def join(*threads):
-    for thread in threads:
-        thread.join(JOIN_TIMEOUT_S)
-        assert not thread.is_alive(), f"{thread.name} did not finish"
+from thread_helpers import JOIN_TIMEOUT_S, join, start
 
 
 def item(i, rows=1):

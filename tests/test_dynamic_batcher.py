@@ -1,7 +1,6 @@
 """libpolybeast.DynamicBatcher: callers get their own rows back, batch sizes are respected, and no
 failure (bad outputs, a dropped batch, close) leaves a caller blocked."""
 
-import threading
 import time
 
 import numpy as np
@@ -9,19 +8,7 @@ import pytest
 
 from libpolybeast import Batch, ClosedBatchingQueue, DynamicBatcher
 
-JOIN_TIMEOUT_S = 30
-
-
-def start(target, *args):
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
-def join(*threads):
-    for thread in threads:
-        thread.join(JOIN_TIMEOUT_S)
-        assert not thread.is_alive(), f"{thread.name} did not finish"
+from thread_helpers import JOIN_TIMEOUT_S, join, start
 
 
 def serve(batcher, answer, batch_sizes=None):
