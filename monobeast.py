@@ -46,8 +46,6 @@ def make_parser():
     parser.add_argument("--num_buffers", type=int, default=None,
                         help="Shared-memory rollout buffers "
                              "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size)).")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                        help="Learner forward pass precision (V-trace and losses stay fp32).")
     return parser
 
 

@@ -72,8 +72,6 @@ def make_parser():
     parser.add_argument("--max_learner_queue_size", type=int, default=None,
                         help="Rollouts that may wait for the learner before the actors block; "
                              "a short queue keeps the policy lag small (default: batch_size).")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                        help="Learner forward pass precision (V-trace and losses stay fp32).")
     return parser
 
 

@@ -74,6 +74,8 @@ def add_common_flags(parser):
                         help="Learner threads that take batches and update the model.")
     parser.add_argument("--disable_cuda", action="store_true",
                         help="Train on the CPU even when a GPU is present.")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                        help="Learner forward pass precision (V-trace and losses stay fp32).")
     parser.add_argument("--num_torch_threads", type=int, default=None,
                         help="Intra-op threads of the learner process (default: all "
                              "cores; PolyBeast with local servers: cores - num_actors, "
@@ -235,11 +237,11 @@ def merge_saved_flags(flags, saved, given):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default unless its help already says it (or it is None,
-    meaning 'chosen from the environment')."""
+    """Shows a flag's default unless its help already says it, or it is None
+    ('chosen from the environment') or False (an off switch)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS):
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)

@@ -30,6 +30,8 @@ if REPO not in sys.path:  # `python -m bench` from another directory
 
 import torch  # noqa: E402
 
+from beast import flags as beast_flags  # noqa: E402
+
 from bench import ceilings  # noqa: E402
 from bench import endtoend  # noqa: E402
 from bench import nullprofile  # noqa: E402
@@ -61,22 +63,13 @@ def workloads():
     ]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None and False, whose help string says what happens."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def make_parser():
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description="Throughput benchmark of MonoBeast and PolyBeast: ceilings of each piece, "
                     "the compute bound they imply, end-to-end SPS and a null-env profile. "
                     "Prints a markdown report. Measurements, not tests: nothing is asserted.",
-        formatter_class=_HelpFormatter)
+        formatter_class=beast_flags.HelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="Short measurements (about 4 minutes in all instead of about 12).")
     parser.add_argument("--only", default=None,
