@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import multiprocessing as mp
 
-from beast import envs
 from beast import flags as beast_flags
 from beast import runlog
 from beast import training
+from beast import vector_envs
 
 ENV_KEYS = training.ENV_KEYS
 
@@ -99,31 +99,33 @@ class Sampler:
                  error_count=None, name="actor"):
         self.flags = flags
         self.model = model
-        self.name = name
-        self.error_count = error_count
-        self.seed = seed
         self.num_envs = num_envs
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
         self.state_buffers = state_buffers
-        self.envs = [self._make_env(j) for j in range(num_envs)]
+        self.error_count = error_count
+        self.envs = vector_envs.create_vector_env(flags, num_envs, seed,
+                                                  on_error=self._count_error, name=name)
         # The group's current step, [k, ...] numpy arrays; torch views share them.
         self.current = {k: np.zeros((num_envs,) + v.shape[2:], dtype=v.dtype)
                         for k, v in self.buffers.items() if k in ENV_KEYS}
         self.current_torch = {k: torch.from_numpy(v) for k, v in self.current.items()}
-        for j, env in enumerate(self.envs):
-            self._store(j, env.initial())
+        self._store(self.envs.initial())
         self.agent_state = model.initial_state(num_envs)
         # State before the forward pass that produced the pending agent output.
         self.state_before = self.agent_state
         self.agent_output = self._act()
 
-    def _make_env(self, j, restart=0):
-        env_seed = self.seed * 1000 + j + 100_000 * restart
-        return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed)
+    def _count_error(self):
+        """The run-wide restart count (it also seeds the replacement environment)."""
+        if self.error_count is None:
+            return None
+        with self.error_count.get_lock():
+            self.error_count.value += 1
+            return self.error_count.value
 
-    def _store(self, j, env_output):
+    def _store(self, env_outputs):
         for key in ENV_KEYS:
-            self.current[key][j] = env_output[key]
+            self.current[key][...] = env_outputs[key]
 
     def _act(self):
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
@@ -139,23 +141,7 @@ class Sampler:
             self.buffers[key][t, indices] = value
 
     def _step_envs(self):
-        actions = self.agent_output["action"]
-        for j, env in enumerate(self.envs):
-            try:
-                env_output = env.step(int(actions[j]))
-            except Exception:  # A broken environment must not end the run.
-                traceback.print_exc()
-                print(f"[{self.name}] environment {j} raised in step; restarting it.",
-                      file=sys.stderr)
-                env.close()
-                restarts = 1
-                if self.error_count is not None:
-                    with self.error_count.get_lock():
-                        self.error_count.value += 1
-                        restarts = self.error_count.value
-                self.envs[j] = env = self._make_env(j, restarts)
-                env_output = env.initial()
-            self._store(j, env_output)
+        self._store(self.envs.step(self.agent_output["action"]))
 
     def unroll(self, indices):
         """Fills buffers [0..T, indices]: step 0 repeats the last step of the
@@ -170,8 +156,7 @@ class Sampler:
             self._write(t, indices)
 
     def close(self):
-        for env in self.envs:
-            env.close()
+        self.envs.close()
 
 
 def act(actor_index, flags, free_queue, full_queue, model, buffers, state_buffers,

@@ -5,7 +5,8 @@ Data path:
     --gRPC streams--> libpolybeast.ActorPool (one C++ actor thread per stream)
     --compute((env_outputs, agent_state))--> inference_batcher --> inference threads
          (the acting model on [T=1, B, ...] batches; answer (agent_outputs, agent_state))
-    --every unroll_length steps: (rollout [T+1, 1, ...], initial agent state)--> learner_queue
+    --every unroll_length steps: (rollout [T+1, 1, ...], initial agent state) per
+         environment (a stream may carry --envs_per_actor of them)--> learner_queue
     --batch_size rollouts concatenated along dim 1--> learner threads
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
@@ -50,6 +51,10 @@ def make_parser():
     parser.add_argument("--num_actors", type=int, default=4,
                         help="Actor threads, one gRPC stream and environment each; also the "
                              "number of env servers started here.")
+    parser.add_argument("--envs_per_actor", type=int, default=None,
+                        help="Environments behind each env server stream we start, stepped "
+                             "together and sent as one batch (default: 1 Atari, 32 vector). "
+                             "Servers started elsewhere choose it themselves (--envs_per_stream).")
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket "
                              "(default: unix:<fresh temporary directory>/env, removed at exit).")
@@ -111,7 +116,11 @@ def variant_defaults(flags, info):
         servers = [a.strip() for a in flags.server_addresses.split(",") if a.strip()]
         if "num_actors" not in flags.given and servers:
             flags.num_actors = len(servers)
+    if flags.envs_per_actor is None:
+        flags.envs_per_actor = 1 if info["is_atari"] else 32
     problems = []
+    if flags.envs_per_actor < 1:
+        problems.append(f"--envs_per_actor must be at least 1 (got {flags.envs_per_actor}).")
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
     if flags.num_torch_threads is None and not flags.no_start_servers:
@@ -194,6 +203,7 @@ class LocalEnvServers:
             "--episodic_life" if flags.episodic_life else "--no-episodic_life",
             "--seed", str(flags.seed),
             "--num_servers", str(self.num_servers),
+            "--envs_per_stream", str(flags.envs_per_actor),
             "--pipes_basename", self.pipes_basename,
             "--exit_with_parent",
         ]

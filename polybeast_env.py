@@ -7,6 +7,7 @@ this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The lea
 (python -m polybeast) connects one actor thread to each address. Data path of one server:
 
     actor thread --gRPC stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
+                                                        or  VectorEnv of --envs_per_stream envs
 
 Every stream gets its own environment, seeded from (--seed, server index, stream number), so a
 reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C stops the servers
@@ -38,6 +39,10 @@ def make_parser():
                         help="Atari: end training episodes at each life lost.")
     parser.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
                         help="Who steps the environments.")
+    parser.add_argument("--envs_per_stream", type=int, default=1,
+                        help="Environments behind each gRPC stream, stepped together and sent "
+                             "as one batch (fewer round trips, larger inference batches). 1 "
+                             "keeps TorchBeast's one-environment wire format.")
     parser.add_argument("--seed", type=int, default=0,
                         help="Base seed; each stream's environment gets one derived from it, the "
                              "server index and the stream number.")
@@ -90,7 +95,8 @@ def is_loopback(address):
 
 
 class EnvFactory:
-    """Called by the EnvServer (GIL held) for every new stream: a fresh RolloutAdapter."""
+    """Called by the EnvServer (GIL held) for every new stream: a fresh RolloutAdapter, or a
+    beast.vector_envs VectorEnv of --envs_per_stream environments (always for EnvPool)."""
 
     def __init__(self, flags, server_index):
         self.flags = flags
@@ -98,12 +104,17 @@ class EnvFactory:
         self.streams = 0
 
     def __call__(self):
-        from beast import envs  # imported here: the parent process never needs gymnasium
+        # Imported here: the parent process never needs gymnasium.
+        from beast import envs, vector_envs
 
         seed = int(np.random.SeedSequence(
             [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0])
         self.streams += 1
-        return envs.RolloutAdapter(envs.create_env(self.flags), seed)
+        if self.flags.envs_per_stream == 1 and self.flags.env_backend == "gymnasium":
+            return envs.RolloutAdapter(envs.create_env(self.flags), seed)
+        # Seeds of a vector env grow by 1000 per environment: stay well inside int64.
+        return vector_envs.create_vector_env(self.flags, self.flags.envs_per_stream, seed % 2**40,
+                                             name=f"env server {self.server_index}")
 
 
 def serve(flags, address, server_index=0):
@@ -146,6 +157,8 @@ def main(argv=None):
     flags = make_parser().parse_args(argv)
     if flags.num_servers < 1:
         sys.exit(f"--num_servers must be at least 1 (got {flags.num_servers}).")
+    if flags.envs_per_stream < 1:
+        sys.exit(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
     try:
         addresses = server_addresses(flags)
         from beast import envs

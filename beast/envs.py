@@ -441,12 +441,14 @@ def _import_envpool():
     return envpool
 
 
-def create_envpool(flags, num_envs, batch_size=None):
+def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
     """EnvPool's own batched Atari env (Gymnasium API, leading dim = batch), preprocessed as ours.
 
     Gray 84x84, 4-frame stack, frame skip 4, up to 30 no-op starts, FIRE on reset, no reward
     clipping, flags.episodic_life, the id's sticky-action probability, 27000 steps per episode.
-    Seeded with flags.seed at creation (EnvPool cannot be reseeded by reset). Its info holds
+    Seeded with `seed` (default flags.seed) at creation; EnvPool cannot be reseeded by reset.
+    num_threads: EnvPool's C++ threads; 1 by default, because each of our actors (or server
+    streams) already gets a core of its own. Its info holds
     "terminated" (the real game ended) and "lives". EnvPool resets an env itself on the step after
     that env's episode ended, ignoring that step's action.
     """
@@ -460,7 +462,9 @@ def create_envpool(flags, num_envs, batch_size=None):
         repeat_action_probability = kwargs.get("repeat_action_probability", 0.25)
     return envpool.make(
         f"{match.group(1)}-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs,
-        seed=int(getattr(flags, "seed", 0) or 0), episodic_life=bool(getattr(flags, "episodic_life", False)),
+        num_threads=num_threads,
+        seed=int(getattr(flags, "seed", 0) or 0) if seed is None else int(seed) % 2**31,
+        episodic_life=bool(getattr(flags, "episodic_life", False)),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
         noop_max=30, use_fire_reset=True, repeat_action_probability=repeat_action_probability,
         max_episode_steps=MAX_FRAMES_PER_EPISODE // 4,

@@ -6,8 +6,10 @@
 //                          +--every unroll_length steps: (rollout, initial_agent_state)--> learner queue
 //
 // Each step is the dict env_outputs + agent_outputs with arrays of shape
-// [1, 1, ...] ([T=1, B=1, ...]); a rollout stacks unroll_length + 1 of them
-// along dim 0 into [T+1, 1, ...]. Its last step is step 0 of the next rollout
+// [1, N, ...] ([T=1, B=N, ...]) for a stream of N environments (N=1 unless
+// the server sends Step.batch); a rollout stacks unroll_length + 1 of them
+// along dim 0 into [T+1, N, ...] and goes to the learner queue as N rollouts
+// [T+1, 1, ...]. Its last step is step 0 of the next rollout
 // (the overlap that the bootstrap needs), and initial_agent_state is the agent
 // state before step 0.
 //
@@ -246,34 +248,73 @@ class ActorPool {
       *got_steps = true;
       if (reconnecting) log(index, "reconnected");
 
-      Nest agent_state = initial_agent_state_;
-      int64_t last_action = 0;
+      Nest agent_state;
+      int64_t num_envs = 0;  // environments on this stream, known from the first step
+      int64_t last_action = 0;  // single-environment streams only
       std::vector<Nest> rollout;  // rollout[0] is the last step of the previous rollout
       Nest rollout_state;         // the agent state before rollout[0]
       while (true) {
-        Nest env_outputs = env_outputs_of(&step, last_action);
+        const bool batched = step.has_batch();
+        Nest env_outputs = batched ? batch_env_outputs(&step) : env_outputs_of(&step, last_action);
+        int64_t n = batch_size(env_outputs, 1);
+        if (num_envs == 0) {
+          num_envs = n;
+          agent_state = repeated(initial_agent_state_, num_envs);
+        } else if (n != num_envs) {
+          throw std::runtime_error("the env server changed the number of environments on a "
+                                   "stream from " + std::to_string(num_envs) + " to " +
+                                   std::to_string(n));
+        }
         Nest answer = inference_batcher_->compute(Nest::tuple({env_outputs, agent_state}));
         const Nest* agent_outputs = check_answer(answer);
         if (rollout.empty()) rollout_state = agent_state;
         rollout.push_back(merged(env_outputs, *agent_outputs));
         if (static_cast<int64_t>(rollout.size()) == unroll_length_ + 1) {
-          learner_queue_->enqueue(Nest::tuple({concat(rollout, 0), rollout_state}));
+          enqueue_rollouts(concat(rollout, 0), rollout_state, num_envs);
           rollout.erase(rollout.begin(), rollout.end() - 1);
           rollout_state = agent_state;  // still the state before the overlapping step
         }
-        last_action = to_int64(agent_outputs->fields.at("action").array, "agent output 'action'");
+        rpcenv::Action action;
+        const Array& actions = agent_outputs->fields.at("action").array;
+        if (batched) {
+          Array flat = actions;  // [T=1, N] -> [N]; shares the bytes
+          flat.shape = {num_envs};
+          nest_to_proto(Nest::of(std::move(flat)), action.mutable_nest_action());
+        } else {
+          last_action = to_int64(actions, "agent output 'action'");
+          action.set_action(static_cast<int32_t>(last_action));
+        }
         agent_state = std::move(answer.items[1]);
 
-        rpcenv::Action action;
-        action.set_action(static_cast<int32_t>(last_action));
         if (!stream->Write(action) || !stream->Read(&step)) return broken();
-        count_.fetch_add(1);
+        count_.fetch_add(num_envs);
       }
     } catch (...) {
       context.TryCancel();
       stream->Finish();
       throw;
     }
+  }
+
+  // The learner queue takes one rollout [T+1, 1, ...] per environment, so
+  // that --batch_size counts rollouts whatever the servers' batch sizes.
+  void enqueue_rollouts(const Nest& rollouts, const Nest& initial_states, int64_t num_envs) {
+    if (num_envs == 1) {
+      learner_queue_->enqueue(Nest::tuple({rollouts, initial_states}));
+      return;
+    }
+    std::vector<int64_t> ones(num_envs, 1);
+    std::vector<Nest> parts = split(rollouts, ones, 1);
+    std::vector<Nest> states = split(initial_states, ones, 1);
+    for (int64_t j = 0; j < num_envs; ++j) {
+      learner_queue_->enqueue(Nest::tuple({std::move(parts[j]), std::move(states[j])}));
+    }
+  }
+
+  // The agent state of one environment ([layers, 1, ...]) repeated for n.
+  static Nest repeated(const Nest& state, int64_t n) {
+    if (n == 1) return state;
+    return concat(std::vector<const Nest*>(n, &state), 1);
   }
 
   // The inference thread must answer (agent_outputs, agent_state) with an
@@ -299,6 +340,29 @@ class ActorPool {
       }
     }
     return step;
+  }
+
+  // The inference inputs of a stream of N environments: Step.batch's arrays,
+  // [N, ...] each, become [1, N, ...] ([T=1, B=N]).
+  static Nest batch_env_outputs(rpcenv::Step* step) {
+    Nest batch = nest_from_proto(step->mutable_batch(), "batch");
+    if (batch.kind != Nest::Kind::kDict) {
+      throw std::invalid_argument("Step.batch must be a dict of arrays");
+    }
+    for (const char* key : {"frame", "reward", "done", "game_over", "episode_return",
+                            "episode_step", "last_action"}) {
+      if (!batch.fields.count(key)) {
+        throw std::invalid_argument(std::string("Step.batch lacks '") + key + "'");
+      }
+    }
+    for (auto& [key, value] : batch.fields) {
+      if (value.kind != Nest::Kind::kArray || value.array.shape.empty()) {
+        throw std::invalid_argument("Step.batch entry '" + key +
+                                    "' must be an array with a leading batch dimension");
+      }
+      value.array.shape.insert(value.array.shape.begin(), 1);
+    }
+    return batch;
   }
 
   // The inference inputs for one step, each array [1, 1, ...] ([T=1, B=1]).

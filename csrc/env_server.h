@@ -3,11 +3,15 @@
 //   actor (client) --Action--> gRPC thread --env.step(action) (GIL)--> Python adapter
 //                  <--Step---             <-- dict(frame, reward, done, ...) --+
 //
-// One environment per stream: a new stream calls env_factory() for a fresh
+// One adapter per stream: a new stream calls env_factory() for a fresh
 // adapter (with .initial(), .step(action) and optionally .close()), sends
 // initial(), then answers every Action with step(action). An adapter that
 // raises in step() is closed and replaced by a new one, whose initial step
 // goes out with done=True, so one bad episode does not end the stream.
+//
+// An adapter with a `num_envs` attribute hosts a batch of environments (a
+// beast.vector_envs VectorEnv): its dicts of [N, ...] arrays travel as
+// Step.batch, and step() gets the int64 array of N actions.
 //
 // gRPC threads take the GIL only around Python calls and drop every Python
 // object while holding it. Stop the server (stop() / leaving run()) before
@@ -94,6 +98,7 @@ class EnvServer {
     explicit Session(EnvServer* server) : server_(server) {
       py::gil_scoped_acquire gil;
       env_ = server_->env_factory_();
+      batched_ = py::hasattr(env_, "num_envs");
     }
     ~Session() {
       py::gil_scoped_acquire gil;
@@ -102,7 +107,7 @@ class EnvServer {
 
     void initial(rpcenv::Step* step) {
       py::gil_scoped_acquire gil;
-      fill_step(env_.attr("initial")(), step);
+      fill(env_.attr("initial")(), step);
     }
 
     void step(rpcenv::Action* action, rpcenv::Step* step) {
@@ -111,14 +116,14 @@ class EnvServer {
         py::object a = action->has_nest_action()
                            ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
                            : py::int_(action->action());
-        fill_step(env_.attr("step")(a), step);
+        fill(env_.attr("step")(a), step);
       } catch (const std::exception& e) {  // py::error_already_set included
         server_->log(std::string("the environment failed in step(), restarting it: ") + e.what());
         close_env();
         env_ = server_->env_factory_();
         step->Clear();
-        fill_step(env_.attr("initial")(), step);
-        step->set_done(true);
+        fill(env_.attr("initial")(), step);
+        if (!batched_) step->set_done(true);  // a batch's initial() says done itself
       }
     }
 
@@ -130,6 +135,14 @@ class EnvServer {
         server_->log(std::string("the environment failed in close(): ") + e.what());
       }
       env_ = py::object();
+    }
+
+    void fill(py::handle result, rpcenv::Step* step) {  // GIL held
+      if (batched_) {
+        nest_to_proto(nest_from_python(result, "batch"), step->mutable_batch());
+      } else {
+        fill_step(result, step);
+      }
     }
 
     // result: dict(frame, reward, done, game_over (optional), episode_return, episode_step).
@@ -146,6 +159,7 @@ class EnvServer {
 
     EnvServer* server_;
     py::object env_;  // touched only with the GIL held
+    bool batched_ = false;
   };
 
   class Service final : public rpcenv::RPCEnvServer::Service {

@@ -47,18 +47,48 @@ class CountingEnv:
         return result
 
 
+class CountingVectorEnv:
+    """num_envs CountingEnvs behind one stream, in beast.vector_envs' format (Step.batch)."""
+
+    def __init__(self, envs):
+        self.envs = envs
+        self.num_envs = len(envs)
+
+    DTYPES = dict(frame=np.int64, reward=np.float32, done=np.bool_, game_over=np.bool_,
+                  episode_return=np.float32, episode_step=np.int32)
+
+    def _stack(self, results, last_action):
+        batch = {key: np.array([r[key] for r in results], dtype)
+                 for key, dtype in self.DTYPES.items()}
+        batch["last_action"] = np.asarray(last_action, np.int64)
+        return batch
+
+    def initial(self):
+        return self._stack([env.initial() for env in self.envs], np.zeros(self.num_envs))
+
+    def step(self, actions):
+        assert actions.shape == (self.num_envs,) and actions.dtype == np.int64
+        return self._stack([env.step(a) for env, a in zip(self.envs, actions)], actions)
+
+
 class Server:
     """An EnvServer in a thread; instances are numbered across restarts."""
 
     instances = 0
 
-    def __init__(self, index, address):
+    def __init__(self, index, address, envs_per_stream=None):
         self.index, self.address = index, address
+        self.envs_per_stream = envs_per_stream  # None: single-environment streams
         self.start()
 
-    def factory(self):
+    def _counting_env(self):
         Server.instances += 1
         return CountingEnv(self.index, Server.instances)
+
+    def factory(self):
+        if self.envs_per_stream is None:
+            return self._counting_env()
+        return CountingVectorEnv([self._counting_env() for _ in range(self.envs_per_stream)])
 
     def start(self):
         self.server = EnvServer(self.factory, self.address)
@@ -97,8 +127,9 @@ def inference_loop(batcher, errors):
 class Pool:
     """Servers, an inference thread, the pool, and a thread that collects rollouts."""
 
-    def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0):
-        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}") for i in range(num_servers)]
+    def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None):
+        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream)
+                        for i in range(num_servers)]
         self.learner_queue = BatchingQueue(batch_dim=1, minimum_batch_size=1,
                                            maximum_batch_size=1, maximum_queue_size=8)
         self.batcher = DynamicBatcher(batch_dim=1, minimum_batch_size=1, maximum_batch_size=4,
@@ -228,6 +259,32 @@ def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path):
         for k, (rollout, state) in enumerate(group):
             check_rollout(rollout, state)
             assert rollout["frame"][0, 0, 2] == k * T
+        for (previous, _), (following, _) in zip(group, group[1:]):
+            check_overlap(previous, following)
+
+
+def test_batched_streams_give_one_rollout_per_environment(tmp_path):
+    """Servers with 3 environments per stream: the learner queue still gets [T+1, 1] rollouts,
+    one sequence per environment, each as consistent as a single-environment stream's."""
+    pool = Pool(tmp_path, envs_per_stream=3)
+    try:
+        pool.wait_for(lambda rs: len(by_instance(rs)) == 6 and
+                      all(len(g) >= 3 for g in by_instance(rs).values()),
+                      "3 rollouts from each of the 6 environments")
+    finally:
+        pool.shutdown()
+    assert pool.pool.count() >= 6 * 3 * UNROLL_LENGTH
+    rollout, state = pool.rollouts[0]
+    assert rollout["frame"].shape == (UNROLL_LENGTH + 1, 1, 4)
+    assert rollout["last_action"].dtype == np.int64 and state.shape == (1, 1, 1)
+    groups = by_instance(pool.rollouts)
+    servers = sorted(int(g[0][0]["frame"][0, 0, 0]) for g in groups.values())
+    assert servers == [0, 0, 0, 1, 1, 1]
+    for group in groups.values():
+        assert group[0][0]["frame"][0, 0, 2] == 0
+        for k, (rollout, state) in enumerate(group):
+            check_rollout(rollout, state)
+            assert rollout["frame"][0, 0, 2] == k * UNROLL_LENGTH
         for (previous, _), (following, _) in zip(group, group[1:]):
             check_overlap(previous, following)
 

@@ -302,3 +302,58 @@ def test_polybeast_env_addresses():
     with pytest.raises(ValueError):
         polybeast_env.server_address(
             polybeast_env.make_parser().parse_args(["--address", "nohost"]), 0)
+
+
+def array_of(proto):
+    return np.frombuffer(proto.data, NUMPY_TYPES[proto.dtype]).reshape(tuple(proto.shape))
+
+
+def batch_of(step):
+    """Step.batch (a stream of several environments) as {name: array [N, ...]}."""
+    return {key: array_of(nest.array) for key, nest in step.batch.map.items()}
+
+
+def test_batched_stream_wire_format(rpcenv, address):
+    """polybeast_env --envs_per_stream 3: one Step.batch of [3, ...] arrays per step, int64
+    actions [3] in, and the same environments a VectorEnv with that seed steps."""
+    import argparse
+
+    import polybeast_env
+    from beast import vector_envs
+
+    flags = polybeast_env.make_parser().parse_args(
+        ["--env", "CartPole-v1", "--envs_per_stream", "3", "--seed", "5"])
+    factory = polybeast_env.EnvFactory(flags, server_index=1)
+    server = ServerThread(factory, address)
+    client = Client(rpcenv, address)
+    # The reference: the first stream's VectorEnv, built the way EnvFactory builds it.
+    seed = int(np.random.SeedSequence([5, 1, 0]).generate_state(1)[0]) % 2**40
+    reference = vector_envs.create_vector_env(
+        argparse.Namespace(env="CartPole-v1", env_backend="gymnasium", episodic_life=False),
+        3, seed)
+    try:
+        first = client.first()
+        assert not first.HasField("observation") and first.HasField("batch")
+        batch = batch_of(first)
+        assert sorted(batch) == sorted(["frame", *vector_envs.SCALAR_FIELDS])
+        assert batch["frame"].shape == (3, 4) and batch["frame"].dtype == np.float32
+        assert batch["done"].tolist() == [True] * 3
+        expected = reference.initial()
+        np.testing.assert_array_equal(batch["frame"], expected["frame"])
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            actions = rng.integers(0, 2, 3)
+            request = client.pb2.Action()
+            request.nest_action.array.dtype = np.dtype(np.int64).num
+            request.nest_action.array.shape.append(3)
+            request.nest_action.array.data = actions.astype(np.int64).tobytes()
+            client.actions.put(request)
+            batch = batch_of(next(client.steps))
+            expected = reference.step(actions)
+            for key in expected:
+                np.testing.assert_array_equal(batch[key], expected[key], err_msg=key)
+            assert batch["last_action"].tolist() == actions.tolist()
+    finally:
+        client.close()
+        server.stop()
+        reference.close()

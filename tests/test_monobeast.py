@@ -52,9 +52,11 @@ def test_learns_cartpole(tmp_path, precision):
     assert int(rows[-1]["step"]) >= 500_000
 
 
-def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False):
+def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False,
+                 backend="gymnasium"):
     parser = monobeast.make_parser()
-    flags = parser.parse_args(["--env", env, "--unroll_length", str(unroll_length)]
+    flags = parser.parse_args(["--env", env, "--unroll_length", str(unroll_length),
+                               "--env_backend", backend]
                               + (["--use_lstm"] if use_lstm else []))
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
@@ -66,11 +68,14 @@ def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False):
     return sampler, buffers, state_buffers, info
 
 
-def test_pong_rollouts_shapes_and_overlap():
+@pytest.mark.parametrize("backend", ["gymnasium", "envpool"])
+def test_pong_rollouts_shapes_and_overlap(backend):
     """Two consecutive Pong unrolls: shapes, dtypes, and step T of the first
     equals step 0 of the second for every key."""
+    if backend == "envpool":
+        pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
     T = 30
-    sampler, buffers, _, info = make_sampler("ALE/Pong-v5", T, num_envs=2)
+    sampler, buffers, _, info = make_sampler("ALE/Pong-v5", T, num_envs=2, backend=backend)
     try:
         sampler.unroll([0, 1])
         first = {k: v[:, [0, 1]].clone() for k, v in buffers.items()}

@@ -7,6 +7,7 @@ The rollouts themselves (layout, overlap, no rollout spanning a server restart) 
 test_actor_pool.py; here we check what the learner makes of them."""
 
 import glob
+import math
 import os
 import pathlib
 import signal
@@ -245,6 +246,23 @@ def test_atari_smoke_run_and_resume(tmp_path):
     assert steps == list(range(80, 1281, 80)), "the resumed run must go on from step 640"
     assert checkpoint_step(run_dir) == 1280
     assert (run_dir / "flags.json.1").exists(), "the first start's flags are kept"
+
+
+@pytest.mark.timeout(300)
+def test_envpool_servers_with_several_environments_per_stream(tmp_path):
+    """EnvPool behind the servers, 3 environments per stream: the learner gets [T+1, B]
+    batches of rollouts from 2 x 3 environments, trains, and logs."""
+    pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+    run_dir = tmp_path / "runs" / "ep"
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--env", "ALE/Pong-v5", "--env_backend", "envpool", "--num_actors", "2",
+        "--envs_per_actor", "3", "--batch_size", "6", "--unroll_length", "20",
+        "--log_interval_steps", "240", "--total_steps", "1440", xpid="ep"), timeout=240)
+    assert result.returncode == 0, result.stderr
+    rows = logs(run_dir)
+    assert [int(row["step"]) for row in rows] == list(range(240, 1441, 240))
+    assert all(math.isfinite(row["total_loss"]) for row in rows)
+    assert checkpoint_step(run_dir) == 1440
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,185 @@
+"""A batch of environments stepped together: what an actor or an env-server stream drives.
+
+    actions [N] -> VectorEnv.step -> dict of arrays [N, ...]
+        (frame, reward, done, game_over, episode_return, episode_step, last_action)
+
+Each row follows RolloutAdapter's convention (see beast/envs.py): a step that ends an episode
+returns the next episode's first frame, with the reward, done and episode totals of the step that
+ended it. Two backends, chosen with --env_backend:
+
+  * gymnasium: N environments from `create_env`, each behind a RolloutAdapter, stepped one after
+    the other in this process. An environment that raises is closed, replaced by a fresh one
+    (whose first step reads done=True), and counted; the others go on.
+  * envpool: one EnvPool of N Atari environments, stepped by EnvPool's C++ threads without the
+    GIL. EnvPool resets a finished environment on the *next* step; we step those environments
+    once more at once so that the caller sees our convention.
+
+MonoBeast's actors (monobeast.Sampler) and PolyBeast's env servers (polybeast_env) both build their
+environments here, so a backend added here serves both variants.
+"""
+
+import sys
+import traceback
+
+import numpy as np
+
+from beast import envs
+
+# name -> dtype of every per-step field besides the frame.
+SCALAR_FIELDS = dict(
+    reward=np.float32,
+    done=np.bool_,
+    game_over=np.bool_,
+    episode_return=np.float32,
+    episode_step=np.int32,
+    last_action=np.int64,
+)
+
+
+def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
+    """N environments as one VectorEnv.
+
+    Args:
+      flags: needs env, env_backend, episodic_life (and what create_env reads).
+      num_envs: N, the batch size of every call.
+      seed: an int; environment j is seeded from (seed, j) and, after a restart, from the
+        restart count as well, so no two environments share a seed.
+      on_error: called with no arguments whenever an environment is restarted after an error;
+        returns the restart number used for the new seed (None: count locally).
+      name: who owns the environments, for error messages.
+    """
+    if num_envs < 1:
+        raise ValueError(f"a vector env needs at least one environment (got {num_envs})")
+    backend = getattr(flags, "env_backend", "gymnasium") or "gymnasium"
+    if backend == "envpool":
+        return EnvPoolVectorEnv(flags, num_envs, seed)
+    if backend == "gymnasium":
+        return GymnasiumVectorEnv(flags, num_envs, seed, on_error, name)
+    raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
+
+
+def _empty_outputs(num_envs, frame_shape, frame_dtype):
+    outputs = {"frame": np.zeros((num_envs,) + tuple(frame_shape), dtype=frame_dtype)}
+    for key, dtype in SCALAR_FIELDS.items():
+        outputs[key] = np.zeros(num_envs, dtype=dtype)
+    return outputs
+
+
+class GymnasiumVectorEnv:
+    """N RolloutAdapters stepped in turn. The returned arrays are reused by the next call:
+    copy what you keep."""
+
+    def __init__(self, flags, num_envs, seed, on_error=None, name="actor"):
+        self.flags = flags
+        self.num_envs = num_envs
+        self.seed = seed
+        self.on_error = on_error
+        self.name = name
+        self.restarts = 0
+        self.envs = [self._make_env(j, 0) for j in range(num_envs)]
+        space = self.envs[0].observation_space
+        self.outputs = _empty_outputs(num_envs, space.shape, space.dtype)
+
+    def _make_env(self, j, restart):
+        env_seed = self.seed * 1000 + j + 100_000 * restart
+        return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed)
+
+    def _store(self, j, env_output):
+        for key, array in self.outputs.items():
+            array[j] = env_output[key]
+
+    def initial(self):
+        for j, env in enumerate(self.envs):
+            self._store(j, env.initial())
+        return self.outputs
+
+    def step(self, actions):
+        actions = np.asarray(actions)
+        if actions.shape != (self.num_envs,):
+            raise ValueError(f"expected {self.num_envs} actions, got an array of shape "
+                             f"{actions.shape}")
+        for j, env in enumerate(self.envs):
+            try:
+                env_output = env.step(int(actions[j]))
+            except Exception:  # A broken environment must not end the run.
+                env_output = self._restart(j)
+            self._store(j, env_output)
+        return self.outputs
+
+    def _restart(self, j):
+        traceback.print_exc()
+        print(f"[{self.name}] environment {j} raised in step; restarting it.", file=sys.stderr)
+        self.envs[j].close()
+        restart = self.on_error() if self.on_error is not None else None
+        if restart is None:
+            self.restarts += 1
+            restart = self.restarts
+        self.envs[j] = self._make_env(j, restart)
+        return self.envs[j].initial()
+
+    def close(self):
+        for env in self.envs:
+            env.close()
+
+
+class EnvPoolVectorEnv:
+    """One EnvPool (synchronous: every step() steps all N environments) in our convention.
+
+    The returned arrays are reused by the next call: copy what you keep.
+    """
+
+    def __init__(self, flags, num_envs, seed):
+        self.num_envs = num_envs
+        self.pool = envs.create_envpool(flags, num_envs, seed=seed)
+        self.env_ids = np.arange(num_envs, dtype=np.int32)
+        space = self.pool.observation_space
+        self.outputs = _empty_outputs(num_envs, space.shape, space.dtype)
+        self._return = np.zeros(num_envs, dtype=np.float64)
+        self._length = np.zeros(num_envs, dtype=np.int64)
+
+    def initial(self):
+        frame, info = self.pool.reset()
+        out = self.outputs
+        out["frame"][info["env_id"]] = frame
+        for key in SCALAR_FIELDS:
+            out[key][:] = 0
+        out["done"][:] = True
+        self._return[:] = 0
+        self._length[:] = 0
+        return out
+
+    def step(self, actions):
+        actions = np.asarray(actions)
+        if actions.shape != (self.num_envs,):
+            raise ValueError(f"expected {self.num_envs} actions, got an array of shape "
+                             f"{actions.shape}")
+        frame, reward, terminated, truncated, info = self.pool.step(
+            actions.astype(np.int32), self.env_ids)
+        ids = info["env_id"]  # rows come back in EnvPool's order
+        out = self.outputs
+        out["frame"][ids] = frame
+        out["reward"][ids] = reward
+        done = np.zeros(self.num_envs, dtype=bool)
+        done[ids] = terminated | truncated
+        game_over = np.zeros(self.num_envs, dtype=bool)
+        # With episodic_life, terminated marks a lost life; info["terminated"] the game's end.
+        game_over[ids] = info["terminated"].astype(bool) | truncated
+        out["done"][:] = done
+        out["game_over"][:] = game_over
+        out["last_action"][:] = actions
+        self._return[ids] += reward
+        self._length[ids] += 1
+        out["episode_return"][:] = self._return
+        out["episode_step"][:] = self._length
+        self._return[game_over] = 0
+        self._length[game_over] = 0
+        if done.any():
+            # EnvPool would reset these on the next step and ignore its action; do that step
+            # now, so the caller gets the next episode's first frame with this step's done.
+            ended = np.flatnonzero(done).astype(np.int32)
+            frame, _, _, _, info = self.pool.step(np.zeros(len(ended), np.int32), ended)
+            out["frame"][info["env_id"]] = frame
+        return out
+
+    def close(self):
+        self.pool.close()
