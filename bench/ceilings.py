@@ -17,6 +17,7 @@ core-seconds, so the bound stays an upper bound.)
 import argparse
 import collections
 import contextlib
+import importlib.util
 import statistics
 import time
 
@@ -136,13 +137,31 @@ class Ceilings:
     def env(self, env_id):
         """Random-action steps per second of one env through RolloutAdapter, one process.
 
-        Returns dict(median, min, max, n) over n chunks of equal duration (steps/s).
+        Returns dict(median, min, max, n, core_us) over n chunks of equal duration
+        (steps/s; core_us: CPU microseconds of this process per step).
         """
         if env_id not in self._env:
             seconds, chunks = (2.4, 3) if self.quick else (8.0, 4)
             self.log(f"env stepping: {env_id} ({seconds:g} s)")
             self._env[env_id] = _measure_env(env_id, seconds, chunks)
         return self._env[env_id]
+
+    def envpool(self, env_id, num_envs, batch_size, num_threads):
+        """EnvPool's own stepping (send/recv; async when batch_size < num_envs), random actions.
+
+        Returns the same dict as env(), core_us counting all of EnvPool's threads; None when
+        EnvPool is not installed.
+        """
+        key = (env_id, num_envs, batch_size, num_threads)
+        if key not in self._env:
+            if importlib.util.find_spec("envpool") is None:
+                return None
+            seconds, chunks = (2.4, 3) if self.quick else (8.0, 4)
+            self.log(f"EnvPool stepping: {env_id}, {num_envs} envs, batch {batch_size}, "
+                     f"{num_threads} thread(s) ({seconds:g} s)")
+            self._env[key] = _measure_envpool(env_id, num_envs, batch_size, num_threads,
+                                              seconds, chunks)
+        return self._env[key]
 
     # -- learner step -----------------------------------------------------------------------
 
@@ -187,6 +206,7 @@ def _measure_env(env_id, seconds, chunks, check_every=64):
             env.step(actions[i])
         rates = []
         n = 0
+        cpu_start = time.process_time()
         for _ in range(chunks):
             steps = 0
             start = time.perf_counter()
@@ -200,9 +220,40 @@ def _measure_env(env_id, seconds, chunks, check_every=64):
                 if now >= deadline:
                     break
             rates.append(steps / (now - start))
+        core_us = (time.process_time() - cpu_start) * 1e6 / n
     finally:
         env.close()
-    return summary(rates)
+    return dict(summary(rates), core_us=core_us)
+
+
+def _measure_envpool(env_id, num_envs, batch_size, num_threads, seconds, chunks):
+    flags = argparse.Namespace(env=env_id, episodic_life=False, env_backend="envpool", seed=0)
+    pool = envs.create_envpool(flags, num_envs, batch_size=batch_size, num_threads=num_threads)
+    rng = np.random.default_rng(0)
+    num_actions = int(pool.action_space.n)
+    try:
+        pool.async_reset()
+        for _ in range(50):  # warm-up
+            info = pool.recv()[-1]
+            pool.send(rng.integers(0, num_actions, len(info["env_id"])), info["env_id"])
+        rates = []
+        steps_all = 0
+        cpu_start = time.process_time()  # the process's CPU time: EnvPool's threads included
+        for _ in range(chunks):
+            steps = 0
+            start = time.perf_counter()
+            deadline = start + seconds / chunks
+            while time.perf_counter() < deadline:
+                info = pool.recv()[-1]
+                ids = info["env_id"]
+                pool.send(rng.integers(0, num_actions, len(ids)), ids)
+                steps += len(ids)
+            rates.append(steps / (time.perf_counter() - start))
+            steps_all += steps
+        core_us = (time.process_time() - cpu_start) * 1e6 / steps_all
+    finally:
+        pool.close()
+    return dict(summary(rates), core_us=core_us)
 
 
 def _measure_learner(net, precision, threads, unroll_length, batch_size, min_steps, budget_s):

@@ -69,6 +69,8 @@ def resolve(workload):
             workload.inference_batch = getattr(flags, "inference_batch_size", None)
         if workload.inference_batch is None:
             workload.inference_batch = max(1, flags.num_actors)
+        # Each request carries the envs_per_actor environments of one stream.
+        workload.inference_batch *= getattr(flags, "envs_per_actor", 1) or 1
     return workload
 
 

@@ -50,15 +50,24 @@ def workloads():
           "TorchBeast's",
           ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
         W("mono-pong-default", "monobeast", "ALE/Pong-v5", "repo defaults", []),
-        W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "TorchBeast's, bf16 learner",
-          ["--num_actors", "4", "--envs_per_actor", "1", "--precision", "bf16", *tb_atari]),
-        W("poly-pong", "polybeast", "ALE/Pong-v5", "TorchBeast's B, T",
-          ["--num_actors", "4", *tb_atari]),
-        W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "TorchBeast's B, T, bf16 learner",
-          ["--num_actors", "4", "--precision", "bf16", *tb_atari]),
+        W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
+          ["--precision", "bf16"]),
+        W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
+          ["--env_backend", "envpool"]),
+        W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
+          ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
+        W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
+        W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
+          ["--precision", "bf16"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
+        # One environment per actor / stream, as TorchBeast does: the overhead per step
+        # where this work started, measured beside today's defaults.
+        W("mono-null-1env", "monobeast", "Null-v0", "MLP 8, one env per actor",
+          ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
         W("mono-null", "monobeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
+        W("poly-null-1env", "polybeast", "Null-v0", "MLP 8, one env per stream",
+          ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
         W("poly-null", "polybeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
     ]
 
@@ -193,17 +202,35 @@ class Report:
         self.notes.append(message)
 
 
-def section_env(report, ceil):
+def envpool_cases(cores):
+    """(label, num_envs, batch_size, threads): the actors' synchronous use, and EnvPool's
+    asynchronous best case on all cores."""
+    return [("sync, 1 thread (as an actor uses it)", 8, 8, 1),
+            (f"async, {cores} threads", 4 * cores, 2 * cores, cores)]
+
+
+def section_env(report, ceil, cores):
     rows = []
     for env_id in ENV_IDS:
         r = ceil.env(env_id)
-        rows.append([env_id, fmt(r["median"]), f"{fmt(r['min'])} - {fmt(r['max'])}",
-                     fmt(1e6 / r["median"])])
+        rows.append([env_id, "gymnasium, one env", fmt(r["median"]),
+                     f"{fmt(r['min'])} - {fmt(r['max'])}", fmt(r["core_us"])])
+    for label, num_envs, batch, threads in envpool_cases(cores):
+        r = ceil.envpool("ALE/Pong-v5", num_envs, batch, threads)
+        if r is None:
+            report.note("EnvPool is not installed (pip install envpool): its rows are missing.")
+            break
+        rows.append(["ALE/Pong-v5", f"EnvPool {label}: {num_envs} envs, batch {batch}",
+                     fmt(r["median"]), f"{fmt(r['min'])} - {fmt(r['max'])}",
+                     fmt(r["core_us"])])
     report.section(
         "1a. Environment stepping alone",
-        table(["env", "steps/s", "range over chunks", "us/step"], rows),
-        "One process, random actions, `RolloutAdapter(create_env(flags)).step` "
-        "(Pong: our DeepMind-style preprocessing, sticky actions of ALE/Pong-v5).")
+        table(["env", "how", "steps/s", "range over chunks", "core-us/step"], rows),
+        "Random actions. gymnasium: one process, `RolloutAdapter(create_env(flags)).step` "
+        "(Pong: our DeepMind-style preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
+        "`envpool.make` with the same preprocessing, send/recv (asynchronous when the batch "
+        "is smaller than the pool). core-us/step: CPU time of the process, all its threads, "
+        "per step.")
 
 
 LEARNER_CASES = [
@@ -257,7 +284,7 @@ def config_of(workload):
     if workload.variant == "monobeast":
         shape = f"{f.num_actors} actors x {f.envs_per_actor} envs"
     else:
-        shape = f"{f.num_actors} servers"
+        shape = f"{f.num_actors} servers x {f.envs_per_actor} envs"
     return f"{workload.label}: {shape}, B={f.batch_size}, T={f.unroll_length}"
 
 
@@ -269,7 +296,11 @@ def bound_of(ceil, workload, cores):
     itself, and the bound stays a bound when the load drops during the e2e runs.
     """
     flags = workload.flags
-    env_s = 1.0 / ceil.env(workload.env)["max"]
+    if getattr(flags, "env_backend", "gymnasium") == "envpool":
+        label, num_envs, batch, threads = envpool_cases(cores)[0]
+        env_s = ceil.envpool(workload.env, num_envs, batch, threads)["core_us"] / 1e6
+    else:
+        env_s = 1.0 / ceil.env(workload.env)["max"]
     inference_s = ceil.inference(workload.net, workload.inference_batch)["min"] \
         / workload.inference_batch
     learner_r = ceil.learner(workload.net, getattr(flags, "precision", "fp32"), 1,
@@ -295,9 +326,11 @@ def section_bound(report, ceil, resolved, cores):
         "(one-thread forward at the configuration's batch, divided by the batch) + learner "
         "(one-thread step at the run's precision / (T*B)), each from the fastest of its measurements above "
         "(the best estimate of the work itself on a shared machine; the tables above show "
-        "medians). Bound = cores / cost: the SPS if every core did "
+        "medians; EnvPool's env cost is its core-us/step, synchronous, one thread). "
+        "Bound = cores / cost: the SPS if every core did "
         "nothing but this work. PolyBeast's inference batch is the largest its dynamic "
-        "batcher forms (--inference_batch_size = --num_actors), so its bound is optimistic.")
+        "batcher forms (--inference_batch_size = --num_actors streams of --envs_per_actor "
+        "environments each), so its bound is optimistic.")
     return bounds
 
 
@@ -501,7 +534,7 @@ def main(argv=None):
                 resolved.append((w, f"cannot set it up: {type(e).__name__}: {e}"))
     ready = [w for w in resolved if not isinstance(w, tuple)]
     try:
-        timed("env", section_env, report, ceil)
+        timed("env", section_env, report, ceil, cores)
         timed("learner", section_learner, report, ceil, cores)
         needed = sorted({(w.net, w.inference_batch) for w in ready}, key=str)
         timed("inference", section_inference, report, ceil, needed)
