@@ -53,7 +53,7 @@ def make_parser():
                              "number of env servers started here.")
     parser.add_argument("--envs_per_actor", type=int, default=None,
                         help="Environments behind each env server stream we start, stepped "
-                             "together and sent as one batch (default: 1 Atari, 32 vector). "
+                             "together and sent as one batch (default: 2 Atari, 32 vector). "
                              "Servers started elsewhere choose it themselves (--envs_per_stream).")
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket "
@@ -117,7 +117,9 @@ def variant_defaults(flags, info):
         if "num_actors" not in flags.given and servers:
             flags.num_actors = len(servers)
     if flags.envs_per_actor is None:
-        flags.envs_per_actor = 1 if info["is_atari"] else 32
+        # Measured on 2 cores, Pong, B=8, T=80, 4 servers (a loaded machine): 1 env per
+        # stream 490 SPS, 2 envs 583; CartPole: 1 env 3,400 SPS, 32 envs ~30,000.
+        flags.envs_per_actor = 2 if info["is_atari"] else 32
     problems = []
     if flags.envs_per_actor < 1:
         problems.append(f"--envs_per_actor must be at least 1 (got {flags.envs_per_actor}).")
