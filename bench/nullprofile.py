@@ -101,9 +101,11 @@ def profile_monobeast(argv, budget_s):
 
         # ---- Actor: one Sampler stepping envs_per_actor environments. ----
         sampler = monobeast.Sampler(flags, model, buffers, state_buffers, k, seed=0)
-        for adapter in sampler.envs:
+        vector = sampler.envs  # a beast.vector_envs.GymnasiumVectorEnv
+        for adapter in vector.envs:
             adapter.env.step = acc.wrap("env", adapter.env.step)
             adapter.step = acc.wrap("adapter", adapter.step)
+        vector.step = acc.wrap("vector", vector.step)
         sampler._step_envs = acc.wrap("step_envs", sampler._step_envs)
         sampler.model = acc.wrap("forward", sampler.model)
         sampler._act = acc.wrap("act", sampler._act)
@@ -122,7 +124,9 @@ def profile_monobeast(argv, budget_s):
         actor = [
             ("NullEnv.step (the environment itself)", s["env"]),
             ("RolloutAdapter.step bookkeeping", s["adapter"] - s["env"]),
-            ("Sampler._step_envs loop and _store", s["step_envs"] - s["adapter"]),
+            ("GymnasiumVectorEnv.step loop, stacking into [k] arrays",
+             s["vector"] - s["adapter"]),
+            ("Sampler._step_envs: _store into the current step", s["step_envs"] - s["vector"]),
             (f"model forward (T=1, batch {k}, no grad)", s["forward"]),
             ("Sampler._act around the forward (inputs, outputs to NumPy)",
              s["act"] - s["forward"]),
