@@ -26,13 +26,11 @@ from beast import runlog
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WAIT_S = 120  # upper bound for anything a test waits on; never reached when things work
 
-# Learns CartPole-v1 to a mean return of 400 (last 100 episodes) in 100k-152k steps on two cores
-# (nine runs of nine, ~3000 SPS); the learning rate decays to zero at 200k.
-# Every flag that matters is pinned, so that a change of the vector-task defaults cannot break it.
-CARTPOLE_LEARNS = ["--env", "CartPole-v1", "--num_actors", "4", "--batch_size", "4",
-                   "--unroll_length", "20", "--learning_rate", "0.003", "--model", "mlp",
-                   "--hidden_size", "128", "--entropy_cost", "0.01", "--reward_clipping", "none",
-                   "--total_steps", "200000", "--seed", "1"]
+# The repo's CartPole defaults (32 environments per stream), as a user runs them, with a short
+# learning-rate schedule (500k steps instead of 1.5M); MonoBeast's defaults reached 400 within
+# 500k steps on 5 seeds of 5. The run stops as soon as it gets there.
+CARTPOLE_LEARNS = ["--env", "CartPole-v1", "--num_actors", "4", "--total_steps", "500000",
+                   "--seed", "1"]
 
 
 def command(*args):
@@ -199,7 +197,7 @@ def test_inference_never_sees_half_copied_weights():
 
 @pytest.mark.timeout(600)
 def test_learns_cartpole(tmp_path):
-    """Mean return >= 400 over the last 100 episodes within 200k steps. The run is stopped with
+    """Mean return >= 400 over the last 100 episodes within 500k steps. The run is stopped with
     SIGTERM as soon as logs.csv shows it, which also checks that a stopped run keeps its logs."""
     run_dir = tmp_path / "runs" / "run"
     process = start(tmp_path, "learner", *polybeast_args(
