@@ -244,3 +244,16 @@ def test_old_atari_ids_are_accepted():
     info = envs.env_info(flags)
     assert info["is_atari"] and tuple(info["observation_shape"]) == (4, 84, 84)
     assert np.dtype(info["observation_dtype"]) == np.uint8
+
+
+def test_env_defaults_by_observation_kind():
+    """Vector tasks get the tuned CartPole settings; small images keep their own step size,
+    unroll length and entropy cost; Atari keeps TorchBeast's."""
+    def resolved(shape, is_atari=False):
+        flags = monobeast.make_parser().parse_args([])
+        beast_flags.apply_env_defaults(flags, dict(observation_shape=shape, is_atari=is_atari))
+        return (flags.model, flags.unroll_length, flags.learning_rate, flags.entropy_cost)
+
+    assert resolved((4,)) == ("mlp", 80, 0.006, 0.005)
+    assert resolved((4, 10, 10)) == ("resnet", 20, 0.00048, 0.01)
+    assert resolved((4, 84, 84), is_atari=True) == ("atari", 80, 0.00048, 0.0006)
