@@ -48,8 +48,6 @@ def test_gymnasium_backend_equals_separate_adapters():
 
 
 def test_gymnasium_backend_restarts_a_failing_environment(capfd):
-    import tests.flaky_env  # noqa: F401 - registers FlakyCartPole-v0
-
     errors = []
 
     def on_error():
