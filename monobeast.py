@@ -15,20 +15,17 @@ import argparse
 import queue
 import signal
 import sys
-import threading
-import time
-import traceback
 
 import numpy as np
 import torch
 from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
-from beast import runlog
 from beast import training
 from beast import vector_envs
 
-ENV_KEYS = training.ENV_KEYS
+# Environments each actor steps together, by kind of environment (beast/flags.py ENV_DEFAULTS).
+ENVS_PER_ACTOR = {"atari": 4, "image": 32, "vector": 32}
 
 
 def make_parser():
@@ -41,8 +38,9 @@ def make_parser():
                         help="Actor processes; 0 steps the environments in the "
                              "learner's process (serial mode, for debugging).")
     parser.add_argument("--envs_per_actor", type=int, default=None,
-                        help="Environments each actor steps together, with one "
-                             "forward pass for all (default: 4 Atari, 32 vector).")
+                        help="Environments each actor steps together, with one forward pass "
+                             "for all (default: "
+                             f"{beast_flags.describe_defaults(ENVS_PER_ACTOR)}).")
     parser.add_argument("--num_buffers", type=int, default=None,
                         help="Shared-memory rollout buffers "
                              "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size)).")
@@ -52,31 +50,12 @@ def make_parser():
 # ----------------------------------------------------------------------------
 # Buffers.
 
-def rollout_specs(flags, info):
-    """name -> (shape after [T+1], dtype) of every rollout tensor."""
-    obs_dtype = torch.from_numpy(np.zeros(0, dtype=info["observation_dtype"])).dtype
-    return dict(
-        frame=(tuple(info["observation_shape"]), obs_dtype),
-        reward=((), torch.float32),
-        done=((), torch.bool),
-        game_over=((), torch.bool),
-        episode_return=((), torch.float32),
-        episode_step=((), torch.int32),
-        last_action=((), torch.int64),
-        policy_logits=((info["num_actions"],), torch.float32),
-        baseline=((), torch.float32),
-        action=((), torch.int64),
-    )
-
-
-def create_buffers(flags, specs):
-    """Shared-memory tensors [T+1, num_buffers, ...]: index_select on dim 1
-    gives a time-major batch in one copy."""
-    buffers = {}
-    for key, (shape, dtype) in specs.items():
-        size = (flags.unroll_length + 1, flags.num_buffers) + shape
-        buffers[key] = torch.zeros(size, dtype=dtype).share_memory_()
-    return buffers
+def create_buffers(flags, schema):
+    """Shared-memory tensors [T+1, num_buffers, ...], one per field of the rollout
+    schema: index_select on dim 1 gives a time-major batch in one copy."""
+    leading = (flags.unroll_length + 1, flags.num_buffers)
+    return {name: torch.zeros(leading + f.shape, dtype=f.torch_dtype).share_memory_()
+            for name, f in schema.fields.items()}
 
 
 def create_state_buffers(model, num_buffers):
@@ -93,9 +72,11 @@ class Sampler:
 
     Each environment owns one buffer index per unroll. One forward pass of the
     model serves the whole group, which is what makes acting on the CPU cheap.
+    Every field of the rollout schema is written: the env fields from the
+    vector env, the agent fields from the model's outputs.
     """
 
-    def __init__(self, flags, model, buffers, state_buffers, num_envs, seed,
+    def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
                  error_count=None, name="actor"):
         self.flags = flags
         self.model = model
@@ -103,11 +84,11 @@ class Sampler:
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
         self.state_buffers = state_buffers
         self.error_count = error_count
+        self.agent_keys = schema.names("agent")
         self.envs = vector_envs.create_vector_env(flags, num_envs, seed,
                                                   on_error=self._count_error, name=name)
         # The group's current step, [k, ...] numpy arrays; torch views share them.
-        self.current = {k: np.zeros((num_envs,) + v.shape[2:], dtype=v.dtype)
-                        for k, v in self.buffers.items() if k in ENV_KEYS}
+        self.current = schema.zeros((num_envs,), source="env")
         self.current_torch = {k: torch.from_numpy(v) for k, v in self.current.items()}
         self._store(self.envs.initial())
         self.agent_state = model.initial_state(num_envs)
@@ -124,15 +105,15 @@ class Sampler:
             return self.error_count.value
 
     def _store(self, env_outputs):
-        for key in ENV_KEYS:
-            self.current[key][...] = env_outputs[key]
+        for key, array in self.current.items():
+            array[...] = env_outputs[key]
 
     def _act(self):
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
         self.state_before = self.agent_state
         with torch.no_grad():
             output, self.agent_state = self.model(inputs, self.agent_state)
-        return {k: v[0].numpy() for k, v in output.items()}
+        return {k: output[k][0].numpy() for k in self.agent_keys}
 
     def _write(self, t, indices):
         for key, value in self.current.items():
@@ -159,14 +140,14 @@ class Sampler:
         self.envs.close()
 
 
-def act(actor_index, flags, free_queue, full_queue, model, buffers, state_buffers,
+def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
         error_count):
     """Actor process: takes free buffer indices, fills them, hands them on."""
     # Ctrl-C goes to the whole process group; the learner decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index)
-    sampler = Sampler(flags, model, buffers, state_buffers, flags.envs_per_actor,
+    sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
                       seed=flags.seed * 100 + actor_index, error_count=error_count,
                       name=f"actor {actor_index}")
     try:
@@ -202,26 +183,13 @@ def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     return batch, state
 
 
-def learner_loop(trainer, flags, full_queue, free_queue, buffers, state_buffers, device,
-                 errors):
-    try:
-        while not trainer.done():
-            item = get_batch(flags, full_queue, free_queue, buffers, state_buffers, device)
-            if item is None:
-                return
-            trainer.learn(*item)
-    except Exception as e:  # Reported by the main thread, which stops the run.
-        traceback.print_exc()
-        errors.append(e)
-
-
 # ----------------------------------------------------------------------------
-# Training (the set-up shared with PolyBeast lives in beast/training.py).
+# What MonoBeast plugs into the run skeleton of beast/training.py.
 
-def variant_defaults(flags, info):
+def check_flags(flags, info):
     """MonoBeast's own env-dependent flags; returns the problems found."""
     if flags.envs_per_actor is None:
-        flags.envs_per_actor = 4 if info["is_atari"] else 32
+        flags.envs_per_actor = ENVS_PER_ACTOR[info["kind"]]
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
@@ -239,82 +207,54 @@ def variant_defaults(flags, info):
     return problems
 
 
-def train(flags):
-    run_dir, info, checkpoint = training.prepare(flags, variant_defaults)
-    torch.manual_seed(flags.seed)
-    np.random.seed(flags.seed)
-    torch.set_num_threads(flags.num_torch_threads)
-    runlog.write_metadata(run_dir, flags)
-    logger = runlog.StatsLogger(run_dir)
-    trainer = training.create_learner(flags, info, run_dir, checkpoint, logger)
-    device = torch.device(flags.device)
-    # Actors read weights from a CPU copy in shared memory.
-    actor_model = training.build_model(flags, info)
-    actor_model.load_state_dict(trainer.model.state_dict())
-    actor_model.share_memory()
-    trainer.actor_model = actor_model
-
-    buffers = create_buffers(flags, rollout_specs(flags, info))
-    state_buffers = create_state_buffers(actor_model, flags.num_buffers)
-    status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
-    stop = training.install_signal_handlers()
-    evaluator = training.Evaluator(flags, info, trainer)
-    try:
-        if flags.num_actors == 0:
-            train_serial(flags, trainer, buffers, state_buffers, device, status, evaluator, stop)
-        else:
-            train_parallel(flags, trainer, buffers, state_buffers, device, status, evaluator,
-                           stop)
-        evaluator.maybe_run(trainer)  # The last snapshot, if training outran it.
-    finally:
-        if status is not None:
-            status.close()
-        trainer.save()
-        logger.close()
-    print(f"Trained to step {trainer.step}; mean episode return "
-          f"{trainer.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
-    return trainer
+def acting_model(flags, info, model):
+    """Actors read the weights from a CPU copy in shared memory."""
+    copy = training.build_model(flags, info)
+    copy.share_memory()
+    return copy
 
 
-def train_parallel(flags, trainer, buffers, state_buffers, device, status, evaluator, stop):
+def train_loop(run, model, environments):
+    flags = run.flags
+    buffers = create_buffers(flags, run.schema)
+    state_buffers = create_state_buffers(model, flags.num_buffers)
+    if flags.num_actors == 0:
+        train_serial(run, model, buffers, state_buffers)
+    else:
+        train_parallel(run, model, buffers, state_buffers)
+
+
+def train_parallel(run, model, buffers, state_buffers):
+    """Actor processes fill buffers; learner threads in this process learn on them."""
+    flags = run.flags
     ctx = mp.get_context("fork")
-    free_queue = ctx.SimpleQueue()
-    full_queue = ctx.SimpleQueue()
+    free_queue, full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
     error_count = ctx.Value("i", 0)
-    trainer.error_count = error_count
-    actors = []
-    for i in range(flags.num_actors):
-        process = ctx.Process(target=act, name=f"actor-{i}", daemon=True,
-                              args=(i, flags, free_queue, full_queue, trainer.actor_model,
-                                    buffers, state_buffers, error_count))
+    actors = [ctx.Process(target=act, name=f"actor-{i}", daemon=True,
+                          args=(i, flags, free_queue, full_queue, model, run.schema, buffers,
+                                state_buffers, error_count))
+              for i in range(flags.num_actors)]
+    for process in actors:
         process.start()
-        actors.append(process)
     for m in range(flags.num_buffers):
         free_queue.put(m)
 
-    errors = []
-    threads = [threading.Thread(target=learner_loop, name=f"learner-{i}", daemon=True,
-                                args=(trainer, flags, full_queue, free_queue, buffers,
-                                      state_buffers, device, errors))
+    def batches():
+        return iter(lambda: get_batch(flags, full_queue, free_queue, buffers, state_buffers,
+                                      run.device), None)
+
+    def check_actors():
+        for i, process in enumerate(actors):
+            if process.exitcode not in (None, 0):
+                raise RuntimeError(f"Actor process {i} died with exit code "
+                                   f"{process.exitcode}; its traceback is above.")
+
+    threads = [run.errors.thread(f"learner-{i}", run.learner_thread, batches())
                for i in range(flags.num_learner_threads)]
     for thread in threads:
         thread.start()
     try:
-        while not trainer.done() and any(t.is_alive() for t in threads):
-            time.sleep(0.2)
-            if stop.is_set():
-                print("\nStopping on request; the run can be resumed with "
-                      f"--xpid {flags.xpid}.", file=sys.stderr)
-                break
-            for i, process in enumerate(actors):
-                if process.exitcode not in (None, 0):
-                    raise RuntimeError(f"Actor process {i} died with exit code "
-                                       f"{process.exitcode}; its traceback is above.")
-            if errors:
-                raise errors[0]
-            trainer.housekeeping(status, evaluator)
-        if errors:
-            raise errors[0]
+        run.supervise(threads, check_actors, env_errors=lambda: error_count.value)
     finally:
         # Stop the actors first so no one waits on a queue that nobody feeds.
         for _ in range(flags.num_actors * flags.envs_per_actor):
@@ -331,39 +271,33 @@ def train_parallel(flags, trainer, buffers, state_buffers, device, status, evalu
                 process.join(timeout=5)
 
 
-def train_serial(flags, trainer, buffers, state_buffers, device, status, evaluator, stop):
+def train_serial(run, model, buffers, state_buffers):
     """Everything in this process and thread: step, learn, repeat."""
-    sampler = Sampler(flags, trainer.actor_model, buffers, state_buffers, flags.batch_size,
+    flags = run.flags
+    sampler = Sampler(flags, model, run.schema, buffers, state_buffers, flags.batch_size,
                       seed=flags.seed * 100)
     free_queue, full_queue = queue.SimpleQueue(), queue.SimpleQueue()
     for m in range(flags.num_buffers):
         free_queue.put(m)
     try:
-        while not trainer.done() and not stop.is_set():
+        while not run.done() and not run.stop.is_set():
             indices = [free_queue.get() for _ in range(flags.batch_size)]
             sampler.unroll(indices)
             for index in indices:
                 full_queue.put(index)
-            trainer.learn(*get_batch(flags, full_queue, free_queue, buffers, state_buffers,
-                                     device))
-            trainer.housekeeping(status, evaluator)
+            run.learn(*get_batch(flags, full_queue, free_queue, buffers, state_buffers,
+                                 run.device))
+            run.housekeeping(env_errors=sampler.envs.restarts)
     finally:
         sampler.close()
 
 
-# ----------------------------------------------------------------------------
-# The command line.
-
-def parse_flags(argv=None):
-    return training.parse_flags(make_parser(), argv)
-
-
-def test(flags):
-    return training.test(flags, variant_defaults)
+VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
+                           acting_model=acting_model, train_loop=train_loop)
 
 
 def main(argv=None):
-    return training.run_main(parse_flags(argv), train, test)
+    return training.main(VARIANT, argv)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,18 @@ Data path:
     --compute((env_outputs, agent_state))--> inference_batcher --> inference threads
          (the acting model on [T=1, B, ...] batches; answer (agent_outputs, agent_state))
     --every unroll_length steps: (rollout [T+1, 1, ...], initial agent state) per
-         environment (a stream may carry --envs_per_actor of them)--> learner_queue
+         environment (a stream may carry --envs_per_stream of them)--> learner_queue
     --batch_size rollouts concatenated along dim 1--> learner threads
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
-Everything around the learner step (flags, run directory, logs, checkpoints,
-resume, evaluation, --mode test) is MonoBeast's, from beast/training.py.
+Everything around the actors (flags, run directory, learner, logs, checkpoints,
+resume, evaluation, --mode test) is the run skeleton MonoBeast shares, in
+beast/training.py.
 Run `python -m polybeast --help` for the flags.
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,23 +25,22 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
-import numpy as np
 import torch
 
 import libpolybeast
-import polybeast_env
 from beast import flags as beast_flags
-from beast import learner
-from beast import runlog
 from beast import training
 
 JOIN_TIMEOUT_S = 30
 SERVER_STOP_TIMEOUT_S = 15
 # Where the servers are belongs to this start of a run, not to the run: on a
 # resume these flags are never taken from the saved flags.json.
-PER_START_FLAGS = {"no_start_servers", "server_addresses", "pipes_basename"}
+PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_basename"})
+# Environments behind each server stream, by kind of environment (beast/flags.py ENV_DEFAULTS).
+# On Atari, more streams with fewer environments spread the servers' stepping over the cores;
+# bench/ measures the choice (README, Performance).
+ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 32}
 
 
 def make_parser():
@@ -49,12 +50,14 @@ def make_parser():
     beast_flags.add_common_flags(parser)
     # Environment servers and actors.
     parser.add_argument("--num_actors", type=int, default=4,
-                        help="Actor threads, one gRPC stream and environment each; also the "
-                             "number of env servers started here.")
-    parser.add_argument("--envs_per_actor", type=int, default=None,
-                        help="Environments behind each env server stream we start, stepped "
-                             "together and sent as one batch (default: 2 Atari, 32 vector). "
-                             "Servers started elsewhere choose it themselves (--envs_per_stream).")
+                        help="Actor threads, one gRPC stream each (a stream carries "
+                             "--envs_per_stream environments); also the number of env servers "
+                             "started here.")
+    parser.add_argument("--envs_per_stream", type=int, default=None,
+                        help="Environments behind each stream of the env servers started here, "
+                             "stepped together and sent as one batch (default: "
+                             f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}). Servers "
+                             "started elsewhere choose it themselves (their --envs_per_stream).")
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket "
                              "(default: unix:<fresh temporary directory>/env, removed at exit).")
@@ -83,12 +86,15 @@ def make_parser():
 # ----------------------------------------------------------------------------
 # Flags.
 
-def actor_addresses(flags):
-    """The env server address of each actor thread (a list of num_actors strings)."""
-    if flags.server_addresses:
-        servers = [a.strip() for a in flags.server_addresses.split(",") if a.strip()]
-    else:
-        servers = [f"{flags.pipes_basename}.{i}" for i in range(flags.num_actors)]
+def server_list(flags):
+    """The env servers' addresses: --server_addresses, or <pipes_basename>.i for each actor."""
+    if flags.server_addresses is not None:
+        return beast_flags.parse_address_list(flags.server_addresses)
+    return [f"{flags.pipes_basename}.{i}" for i in range(flags.num_actors)]
+
+
+def actor_addresses(flags, servers):
+    """The env server address of each actor thread: actor i streams from server i mod n."""
     return [servers[i % len(servers)] for i in range(flags.num_actors)]
 
 
@@ -104,40 +110,30 @@ def learner_queue_size(flags):
     return flags.max_learner_queue_size
 
 
-def variant_defaults(flags, info):
-    """Checks PolyBeast's own flags; returns the problems found.
+def check_flags(flags, info):
+    """PolyBeast's own env-dependent flags; returns the problems found.
 
     inference_batch_size and max_learner_queue_size stay None when not given
     (see the two functions above), so that a resume with another --num_actors
     or --batch_size does not inherit sizes derived from the old ones.
     """
-    if flags.server_addresses:
-        flags.no_start_servers = True
-        servers = [a.strip() for a in flags.server_addresses.split(",") if a.strip()]
-        if "num_actors" not in flags.given and servers:
-            flags.num_actors = len(servers)
-    if flags.envs_per_actor is None:
-        # Measured on 2 cores, Pong, B=8, T=80, 4 servers (a loaded machine): 1 env per
-        # stream 490 SPS, 2 envs 583; CartPole: 1 env 3,400 SPS, 32 envs ~30,000.
-        flags.envs_per_actor = 2 if info["is_atari"] else 32
     problems = []
-    if flags.envs_per_actor < 1:
-        problems.append(f"--envs_per_actor must be at least 1 (got {flags.envs_per_actor}).")
+    if flags.envs_per_stream is None:
+        flags.envs_per_stream = ENVS_PER_STREAM[info["kind"]]
+    if flags.envs_per_stream < 1:
+        problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
+    problems += _check_servers(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
-        # The env servers we start share this machine's cores with the
-        # learner. Leaving them a core each (as far as there are cores) was
-        # faster on two cores: Pong, 4 servers, batch 8, unroll 80: ~790 SPS
-        # with one intra-op thread, ~725 with two (OpenMP threads spinning
-        # while the servers wait for a core).
+        # The env servers we start share this machine's cores with the learner: leave
+        # them a core each, as far as there are cores (OpenMP threads that spin while
+        # the servers wait for a core cost more than they give).
         flags.num_torch_threads = max(1, beast_flags.default_num_torch_threads()
                                       - flags.num_actors)
-    if flags.num_actors < 1:
-        problems.append(f"--num_actors must be at least 1 (got {flags.num_actors}).")
-    if flags.num_inference_threads < 1:
-        problems.append(f"--num_inference_threads must be at least 1 "
-                        f"(got {flags.num_inference_threads}).")
+    for name in ("num_actors", "num_inference_threads"):
+        if getattr(flags, name) < 1:
+            problems.append(f"--{name} must be at least 1 (got {getattr(flags, name)}).")
     if flags.inference_batch_size is not None and flags.inference_batch_size < 1:
         problems.append(f"--inference_batch_size must be at least 1 "
                         f"(got {flags.inference_batch_size}).")
@@ -147,30 +143,31 @@ def variant_defaults(flags, info):
                         f"least --batch_size ({flags.batch_size}).")
     if not flags.connect_timeout_s > 0:
         problems.append(f"--connect_timeout_s must be positive (got {flags.connect_timeout_s}).")
+    return problems
+
+
+def _check_servers(flags):
+    """Checks where the env servers are; --server_addresses implies --no_start_servers and,
+    unless --num_actors was given, one actor per address."""
     if flags.server_addresses is not None:
-        servers = [a.strip() for a in flags.server_addresses.split(",") if a.strip()]
-        if not servers:
-            problems.append("--server_addresses is empty: give unix:PATH or HOST:PORT, "
-                            "comma-separated.")
-        for address in servers:
-            if not address.startswith("unix:"):
-                try:
-                    polybeast_env.is_loopback(address)
-                except ValueError:
-                    problems.append(f"--server_addresses: {address!r} is neither unix:PATH "
-                                    "nor HOST:PORT.")
+        flags.no_start_servers = True
+        try:
+            servers = beast_flags.parse_address_list(flags.server_addresses)
+        except ValueError as e:
+            return [f"--server_addresses: {e}"]
+        if "num_actors" not in flags.given:
+            flags.num_actors = len(servers)
     elif flags.no_start_servers and flags.pipes_basename is None:
-        problems.append("--no_start_servers needs --server_addresses (or --pipes_basename) to "
-                        "know where the env servers listen.")
+        return ["--no_start_servers needs --server_addresses (or --pipes_basename) to know "
+                "where the env servers listen."]
     if flags.pipes_basename is not None and not flags.pipes_basename.startswith("unix:"):
-        problems.append(f"--pipes_basename must start with 'unix:' (got "
-                        f"{flags.pipes_basename!r}); use --server_addresses HOST:PORT,... "
-                        "for TCP.")
-    elif flags.pipes_basename is not None and not flags.no_start_servers:
+        return [f"--pipes_basename must start with 'unix:' (got {flags.pipes_basename!r}); use "
+                "--server_addresses HOST:PORT,... for TCP."]
+    if flags.pipes_basename is not None and not flags.no_start_servers:
         directory = os.path.dirname(flags.pipes_basename[len("unix:"):]) or "."
         if not os.path.isdir(directory):
-            problems.append(f"--pipes_basename: the directory {directory} does not exist.")
-    return problems
+            return [f"--pipes_basename: the directory {directory} does not exist."]
+    return []
 
 
 # ----------------------------------------------------------------------------
@@ -200,12 +197,10 @@ class LocalEnvServers:
         flags = self.flags
         command = [
             sys.executable, "-m", "polybeast_env",
-            "--env", flags.env,
-            "--env_backend", flags.env_backend,
-            "--episodic_life" if flags.episodic_life else "--no-episodic_life",
+            *beast_flags.env_flag_args(flags),  # the same environment as the learner's
             "--seed", str(flags.seed),
             "--num_servers", str(self.num_servers),
-            "--envs_per_stream", str(flags.envs_per_actor),
+            "--envs_per_stream", str(flags.envs_per_stream),
             "--pipes_basename", self.pipes_basename,
             "--exit_with_parent",
         ]
@@ -239,6 +234,13 @@ class LocalEnvServers:
                     f"{timeout_s:g} s (no socket at {', '.join(missing)}).")
             time.sleep(0.05)
 
+    def check(self):
+        """Raises UserError once the servers have exited."""
+        if self.exit_code() is not None:
+            raise training.UserError(
+                f"the env servers (python -m polybeast_env) exited with status "
+                f"{self.exit_code()}; their message is above.")
+
     def stop(self):
         """Stops the servers and removes our socket directory; idempotent."""
         if self.process is not None and self.process.poll() is None:
@@ -255,13 +257,26 @@ class LocalEnvServers:
             self.own_dir = None
 
 
+@contextlib.contextmanager
+def environments(flags):
+    """The env servers this run starts (None with --no_start_servers); stopped at exit."""
+    if flags.mode != "train" or flags.no_start_servers:
+        yield None
+        return
+    servers = LocalEnvServers(flags, flags.num_actors)
+    try:
+        yield servers.start()  # they boot while the learner builds its models
+    finally:
+        servers.stop()
+
+
 # ----------------------------------------------------------------------------
 # Acting.
 
 class InferenceModels:
     """The acting model: one replica per inference thread, each behind its own lock.
 
-    Trainer.learn calls load_state_dict after every step. A forward pass holds
+    The learner calls load_state_dict after every step. A forward pass holds
     its replica's lock, so it never sees weights half-way through a copy, and
     the copy waits at most one small forward pass. One replica per thread
     keeps the inference threads from waiting on each other.
@@ -281,6 +296,13 @@ class InferenceModels:
             return self.replicas[index](inputs, core_state)
 
 
+def acting_model(flags, info, model):
+    """One replica of the model per inference thread, on the learner's device."""
+    device = next(model.parameters()).device
+    return InferenceModels(training.build_model(flags, info).to(device)
+                           for _ in range(flags.num_inference_threads))
+
+
 def to_torch(array, device):
     """A numpy array (owned by the C++ side, or a view of one) as a tensor on device.
 
@@ -293,119 +315,93 @@ def to_torch(array, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def inference(index, inference_batcher, models, device, errors):
+def inference(index, inference_batcher, models, device):
     """Inference thread: answers batches of actor requests until the batcher closes.
 
     A batch holds one step of B actors: env_outputs arrays are [T=1, B, ...]
-    and the agent state arrays [layers, B, hidden]. obs[t] -> action[t].
+    and the agent state arrays [layers, B, hidden]. obs[t] -> action[t]. Every
+    output of the model goes back: each is a field of the rollout.
     """
-    try:
-        for batch in inference_batcher:
-            env_outputs, agent_state = batch.get_inputs()
-            inputs = {k: to_torch(v, device) for k, v in env_outputs.items()}
-            state = tuple(to_torch(s, device) for s in agent_state)
-            outputs, state = models.forward(index, inputs, state)
-            # The only device-to-host copy (and sync point) of an inference step.
-            agent_outputs = {k: outputs[k].cpu().numpy() for k in learner.AGENT_KEYS}
-            batch.set_outputs((agent_outputs, tuple(s.cpu().numpy() for s in state)))
-    except Exception as e:  # Reported by the main thread, which stops the run.
-        traceback.print_exc()
-        errors.append(e)
-        inference_batcher.close()
+    for batch in inference_batcher:
+        env_outputs, agent_state = batch.get_inputs()
+        inputs = {k: to_torch(v, device) for k, v in env_outputs.items()}
+        state = tuple(to_torch(s, device) for s in agent_state)
+        outputs, state = models.forward(index, inputs, state)
+        # The only device-to-host copy (and sync point) of an inference step.
+        agent_outputs = {k: v.cpu().numpy() for k, v in outputs.items()}
+        batch.set_outputs((agent_outputs, tuple(s.cpu().numpy() for s in state)))
 
 
-def run_actor_pool(actor_pool, errors):
+def run_actor_pool(actor_pool, addresses):
     try:
         actor_pool.run()
-    except Exception as e:  # The first actor's error; it also closed the queues.
-        errors.append(e)
+    except RuntimeError as e:  # the first actor's error; it also closed the queues
+        raise training.UserError(
+            f"{e}\nThe actors stream from {', '.join(sorted(set(addresses)))}; start env "
+            "servers there (python -m polybeast_env) or check --server_addresses / "
+            "--pipes_basename.") from None
 
 
 # ----------------------------------------------------------------------------
 # Learning.
 
-def learn(flags, learner_queue, trainer, device, errors):
-    """Learner thread: batches [T+1, B, ...] from the learner queue -> trainer.learn."""
-    try:
-        for rollouts, initial_agent_state in learner_queue:
-            if trainer.done():
-                return
-            batch = {k: to_torch(v, device) for k, v in rollouts.items()}
-            # The state before step 0 of each rollout: [layers, B, hidden].
-            state = tuple(to_torch(s, device) for s in initial_agent_state)
-            trainer.learn(batch, state)
-    except Exception as e:  # Reported by the main thread, which stops the run.
-        traceback.print_exc()
-        errors.append(e)
+def learner_batches(learner_queue, schema, device):
+    """(batch, initial_agent_state) from the learner queue: rollouts [T+1, B, ...] and the
+    core state before step 0 of each, [layers, B, hidden], checked against the schema."""
+    for rollouts, initial_agent_state in learner_queue:
+        schema.check(rollouts, 2, "a batch from the actor pool")
+        yield ({k: to_torch(v, device) for k, v in rollouts.items()},
+               tuple(to_torch(s, device) for s in initial_agent_state))
 
 
 # ----------------------------------------------------------------------------
-# Training.
+# What PolyBeast plugs into the run skeleton of beast/training.py.
 
-def train(flags):
-    run_dir, info, checkpoint = training.prepare(flags, variant_defaults)
-    torch.manual_seed(flags.seed)
-    np.random.seed(flags.seed)
-    # The learner step and the inference forward passes run in this one
-    # process and share its intra-op threads (--num_torch_threads, set once:
-    # PyTorch's thread count is per process, not per Python thread; see
-    # variant_defaults for the default). The inference batches are small
-    # ([1, B], B <= inference_batch_size) and gain little from more threads;
-    # the learner step is what the threads are for.
-    torch.set_num_threads(flags.num_torch_threads)
-    # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run
-    # through the finally blocks below, which also stop the env servers.
-    stop = training.install_signal_handlers()
-    servers = None if flags.no_start_servers else LocalEnvServers(flags, flags.num_actors)
-    try:
-        if servers is not None:
-            servers.start()  # they start up while we build the models
-            addresses = servers.addresses
-        else:
-            addresses = actor_addresses(flags)
-            remote = sorted({a for a in addresses if not polybeast_env.is_loopback(a)})
-            if remote:
-                print(f"warning: the env servers at {', '.join(remote)} are reached over the "
-                      "network; the traffic is neither authenticated nor encrypted.",
-                      file=sys.stderr)
-        runlog.write_metadata(run_dir, flags)
-        logger = runlog.StatsLogger(run_dir)
-        trainer = training.create_learner(flags, info, run_dir, checkpoint, logger)
-        device = torch.device(flags.device)
-        replicas = []
-        for _ in range(flags.num_inference_threads):
-            replica = training.build_model(flags, info).to(device)
-            replica.load_state_dict(trainer.model.state_dict())
-            replicas.append(replica)
-        trainer.actor_model = InferenceModels(replicas)
-        status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
-        evaluator = training.Evaluator(flags, info, trainer)
-        try:
-            if servers is not None:
-                servers.wait_until_listening(flags.connect_timeout_s, stop)
-            if stop.is_set():
-                print("Stopping on request before training started.", file=sys.stderr)
-            else:
-                train_loop(flags, trainer, replicas[0], addresses, servers, device, status,
-                           evaluator, stop)
-                evaluator.maybe_run(trainer)  # The last snapshot, if training outran it.
-        finally:
-            if servers is not None:
-                servers.stop()
-            if status is not None:
-                status.close()
-            trainer.save()
-            logger.close()
-    finally:
-        if servers is not None:
-            servers.stop()  # also when the set-up above failed
-    print(f"Trained to step {trainer.step}; mean episode return "
-          f"{trainer.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
-    return trainer
-
-
-def train_loop(flags, trainer, model, addresses, servers, device, status, evaluator, stop):
+def train_loop(run, models, servers):
     """Runs actors, inference and learner threads until total_steps or a stop."""
+    flags = run.flags
+    if servers is not None:
+        addresses = servers.addresses
+        servers.wait_until_listening(flags.connect_timeout_s, run.stop)
+        if run.stop.is_set():
+            print("Stopping on request before training started.", file=sys.stderr)
+            return
+    else:
+        addresses = actor_addresses(flags, server_list(flags))
+        remote = sorted({a for a in addresses if not beast_flags.is_loopback(a)})
+        if remote:
+            print(f"warning: the env servers at {', '.join(remote)} are reached over the "
+                  "network; the traffic is neither authenticated nor encrypted.",
+                  file=sys.stderr)
+    learner_queue, inference_batcher, actor_pool = create_actor_pool(run, models, addresses)
+    threads = [run.errors.thread("actor-pool", run_actor_pool, actor_pool, addresses)]
+    threads += [run.errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
+                                  run.device, on_error=inference_batcher.close)
+                for i in range(flags.num_inference_threads)]
+    threads += [run.errors.thread(f"learner-{i}", run.learner_thread,
+                                  learner_batches(learner_queue, run.schema, run.device))
+                for i in range(flags.num_learner_threads)]
+    for thread in threads:
+        thread.start()
+    try:
+        run.supervise(threads, servers.check if servers is not None else None,
+                      env_errors=actor_pool.env_errors)
+    finally:
+        # Closing the queues wakes every thread: actors blocked in compute()
+        # or enqueue(), the inference threads and the learner threads.
+        learner_queue.close()
+        inference_batcher.close()
+        actor_pool.close()
+        for thread in threads:
+            thread.join(timeout=JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                print(f"warning: thread {thread.name} did not stop within {JOIN_TIMEOUT_S} s.",
+                      file=sys.stderr)
+
+
+def create_actor_pool(run, models, addresses):
+    """The learner queue, the inference batcher and the actor pool that feeds them."""
+    flags = run.flags
     learner_queue = libpolybeast.BatchingQueue(
         batch_dim=1, minimum_batch_size=flags.batch_size, maximum_batch_size=flags.batch_size,
         maximum_queue_size=learner_queue_size(flags))
@@ -414,77 +410,22 @@ def train_loop(flags, trainer, model, addresses, servers, device, status, evalua
     inference_batcher = libpolybeast.DynamicBatcher(
         batch_dim=1, minimum_batch_size=1, maximum_batch_size=inference_batch_size(flags))
     # The agent state of one actor has batch dim 1: [layers, 1, hidden].
-    initial_agent_state = tuple(s.numpy() for s in model.initial_state(1))
+    initial_agent_state = tuple(s.numpy() for s in models.replicas[0].initial_state(1))
     actor_pool = libpolybeast.ActorPool(
         unroll_length=flags.unroll_length, learner_queue=learner_queue,
         inference_batcher=inference_batcher, env_server_addresses=addresses,
-        initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s)
-
-    pool_errors, errors = [], []
-    pool_thread = threading.Thread(target=run_actor_pool, name="actor-pool", daemon=True,
-                                   args=(actor_pool, pool_errors))
-    threads = [threading.Thread(target=inference, name=f"inference-{i}", daemon=True,
-                                args=(i, inference_batcher, trainer.actor_model, device,
-                                      errors))
-               for i in range(flags.num_inference_threads)]
-    threads += [threading.Thread(target=learn, name=f"learner-{i}", daemon=True,
-                                 args=(flags, learner_queue, trainer, device, errors))
-                for i in range(flags.num_learner_threads)]
-    learner_threads = threads[flags.num_inference_threads:]
-    for thread in [pool_thread] + threads:
-        thread.start()
-    try:
-        while not trainer.done():
-            time.sleep(0.2)
-            if stop.is_set():
-                print("\nStopping on request; the run can be resumed with "
-                      f"--xpid {flags.xpid}.", file=sys.stderr)
-                break
-            # Read before the error lists: a thread records its error before it ends.
-            pool_ended = not pool_thread.is_alive()
-            learners_ended = not any(t.is_alive() for t in learner_threads)
-            if pool_errors:
-                raise training.UserError(
-                    f"{pool_errors[0]}\nThe actors stream from {', '.join(sorted(set(addresses)))}"
-                    "; start env servers there (python -m polybeast_env) or check "
-                    "--server_addresses / --pipes_basename.")
-            if errors:
-                raise errors[0]
-            if servers is not None and servers.exit_code() is not None:
-                raise training.UserError(
-                    f"the env servers (python -m polybeast_env) exited with status "
-                    f"{servers.exit_code()}; their message is above.")
-            if pool_ended or learners_ended:
-                if trainer.done():
-                    break
-                raise RuntimeError("the actor pool or the learner threads ended unexpectedly.")
-            trainer.housekeeping(status, evaluator)
-    finally:
-        # Closing the queues wakes every thread: actors blocked in compute()
-        # or enqueue(), the inference threads and the learner threads.
-        learner_queue.close()
-        inference_batcher.close()
-        actor_pool.close()
-        for thread in [pool_thread] + threads:
-            thread.join(timeout=JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                print(f"warning: thread {thread.name} did not stop within {JOIN_TIMEOUT_S} s.",
-                      file=sys.stderr)
+        initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
+        env_keys=list(run.schema.names("env")))
+    return learner_queue, inference_batcher, actor_pool
 
 
-# ----------------------------------------------------------------------------
-# Testing and the command line.
-
-def parse_flags(argv=None):
-    return training.parse_flags(make_parser(), argv, always_given=PER_START_FLAGS)
-
-
-def test(flags):
-    return training.test(flags, variant_defaults)
+VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
+                           acting_model=acting_model, train_loop=train_loop,
+                           environments=environments, per_start_flags=PER_START_FLAGS)
 
 
 def main(argv=None):
-    return training.run_main(parse_flags(argv), train, test)
+    return training.main(VARIANT, argv)
 
 
 if __name__ == "__main__":

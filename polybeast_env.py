@@ -12,6 +12,10 @@ this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The lea
 Every stream gets its own environment, seeded from (--seed, server index, stream number), so a
 reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C stops the servers
 and exits with status 0.
+
+The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
+once in beast/flags.py (add_env_flags); a learner passes its values with beast.flags.env_flag_args.
+Those left at None take the learners' default for the environment's kind (beast.flags.ENV_DEFAULTS).
 """
 
 import argparse
@@ -24,21 +28,17 @@ import threading
 
 import numpy as np
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+from beast import flags as beast_flags
+from beast.flags import is_loopback, split_host_port
 
 
 def make_parser():
     parser = argparse.ArgumentParser(
         description="PolyBeast environment servers.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=beast_flags.HelpFormatter,
     )
-    # Environment.
-    parser.add_argument("--env", type=str, default="CartPole-v1",
-                        help="Gymnasium environment id, e.g. CartPole-v1, ALE/Pong-v5.")
-    parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=False,
-                        help="Atari: end training episodes at each life lost.")
-    parser.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
-                        help="Who steps the environments.")
+    beast_flags.add_env_flags(parser)  # the learners' own environment flags
+    # Streams.
     parser.add_argument("--envs_per_stream", type=int, default=1,
                         help="Environments behind each gRPC stream, stepped together and sent "
                              "as one batch (fewer round trips, larger inference batches). 1 "
@@ -62,20 +62,10 @@ def make_parser():
     return parser
 
 
-def _split_host_port(address):
-    """"tcp:HOST:PORT" or "HOST:PORT" -> (HOST, PORT)."""
-    if address.startswith("tcp:"):
-        address = address[len("tcp:"):]
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected a TCP address HOST:PORT, got {address!r}")
-    return host, int(port)
-
-
 def server_address(flags, index):
     """The gRPC address of server `index`: "unix:PATH.index" or "HOST:PORT+index"."""
     if flags.address:
-        host, port = _split_host_port(flags.address)
+        host, port = split_host_port(flags.address)
         return f"{host}:{port + index}"
     if not flags.pipes_basename.startswith("unix:"):
         raise ValueError(f"--pipes_basename must start with 'unix:', got {flags.pipes_basename!r}; "
@@ -87,11 +77,14 @@ def server_addresses(flags):
     return [server_address(flags, i) for i in range(flags.num_servers)]
 
 
-def is_loopback(address):
-    if address.startswith("unix:"):
-        return True
-    host, _ = _split_host_port(address)
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+def resolve_env_flags(flags):
+    """Creates flags.env once (an unknown id fails here, not in every stream) and fills the
+    environment flags left at None (--episodic_life) with the learners' default for its kind
+    (beast.flags.ENV_DEFAULTS). Returns flags; raises ValueError or ImportError."""
+    from beast import envs  # here: importing polybeast_env stays free of gymnasium
+
+    info = envs.env_info(flags)
+    return beast_flags.apply_env_defaults(flags, info, names=beast_flags.env_flag_names())
 
 
 class EnvFactory:
@@ -120,8 +113,8 @@ class EnvFactory:
 def serve(flags, address, server_index=0):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
-    flags needs the fields of make_parser()'s environment group (env, episodic_life,
-    env_backend, seed). Usable as a multiprocessing target.
+    flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream.
+    Usable as a multiprocessing target.
     """
     import libpolybeast
 
@@ -155,16 +148,20 @@ def _remove_socket(address):
 def main(argv=None):
     parent = os.getppid()  # before anything slow: the parent may die while we start
     flags = make_parser().parse_args(argv)
+    problems = beast_flags.env_flag_problems(flags)
     if flags.num_servers < 1:
-        sys.exit(f"--num_servers must be at least 1 (got {flags.num_servers}).")
+        problems.append(f"--num_servers must be at least 1 (got {flags.num_servers}).")
     if flags.envs_per_stream < 1:
-        sys.exit(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
+        problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
     try:
         addresses = server_addresses(flags)
-        from beast import envs
-
-        envs.create_env(flags).close()  # an unknown --env fails here, not in every stream
     except ValueError as error:
+        problems.append(f"{error}.")
+    if problems:
+        sys.exit(f"polybeast_env: {beast_flags.FlagError(problems)}")
+    try:
+        resolve_env_flags(flags)
+    except (ValueError, ImportError) as error:
         sys.exit(f"polybeast_env: {error}")
 
     # spawn, not fork: each server starts its own gRPC runtime from scratch.

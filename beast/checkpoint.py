@@ -3,7 +3,9 @@
 A checkpoint is a dict of plain values and tensors, e.g.::
 
     {"model_state_dict": ..., "optimizer_state_dict": ..., "scheduler_state_dict": ...,
-     "step": int, "flags": plain_flags(flags), "episode_stats": EpisodeStats.state_dict()}
+     "step": int, "flags": plain_flags(flags), "episodes": EpisodeStats.state_dict()}
+
+(beast/training.py Run.save writes it.)
 
 It is written to a temporary file beside the target and renamed over it, so the
 previous checkpoint stays whole until the new one is complete; it is read with

@@ -36,7 +36,18 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
+from beast import rollout
+
 gymnasium.register_envs(ale_py)
+
+# Wrappers put around every environment that create_env makes (the first one innermost), for
+# training, evaluation and env servers alike. Each is called as wrapper(env) and returns the
+# wrapped env: a gymnasium.Wrapper subclass, or a function. To add one, write it and list it
+# here, e.g. WRAPPERS = (gymnasium.wrappers.TransformReward,) with its arguments bound by
+# functools.partial. A wrapper may add rollout fields of its own (beast/rollout.py,
+# `rollout_fields`). The envpool backend steps its games in C++ and cannot apply them: it
+# refuses to start while this list is not empty.
+WRAPPERS = ()
 
 # ALE's cap on an episode: 108000 frames (30 minutes of play), i.e. 27000 agent steps at frame skip 4.
 MAX_FRAMES_PER_EPISODE = 108_000
@@ -132,6 +143,12 @@ class AtariPreprocessing(gymnasium.Wrapper):
         atari = env.unwrapped
         if not isinstance(atari, ale_py.AtariEnv):
             raise TypeError(f"AtariPreprocessing needs an ale_py.AtariEnv, got {type(atari).__name__}")
+        if env is not atari:
+            # step() drives ALE itself, so a wrapper in between would silently never run.
+            raise TypeError(
+                f"AtariPreprocessing drives the emulator directly, so {type(env).__name__} between it "
+                "and the AtariEnv would never run; wrap the preprocessed env instead (beast/envs.py "
+                "WRAPPERS)")
         if getattr(atari, "_frameskip", 1) != 1:
             raise ValueError("AtariPreprocessing does the frame skipping: make the AtariEnv with frameskip=1")
         if frame_skip < 2:
@@ -249,19 +266,21 @@ def _atari_spec_kwargs(env_id):
     return spec.kwargs
 
 
+def _sticky_action_probability(flags, spec_kwargs):
+    """--repeat_action_probability, or the id's own value (v5 and v0: 0.25, v4: 0.0) when None."""
+    value = getattr(flags, "repeat_action_probability", None)
+    return spec_kwargs.get("repeat_action_probability", 0.25) if value is None else value
+
+
 def _make_atari(env_id, flags):
     kwargs = _atari_spec_kwargs(env_id)
-    # The id decides the sticky-action probability (v5 and v0: 0.25, v4: 0.0) unless a flag overrides it.
-    repeat_action_probability = getattr(flags, "repeat_action_probability", None)
-    if repeat_action_probability is None:
-        repeat_action_probability = kwargs.get("repeat_action_probability", 0.25)
     atari = ale_py.AtariEnv(
         game=kwargs["game"],
         mode=kwargs.get("mode"),
         difficulty=kwargs.get("difficulty"),
         obs_type="grayscale",
         frameskip=1,
-        repeat_action_probability=repeat_action_probability,
+        repeat_action_probability=_sticky_action_probability(flags, kwargs),
         full_action_space=kwargs.get("full_action_space", False),
         max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", MAX_FRAMES_PER_EPISODE),
     )
@@ -457,16 +476,17 @@ def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
     match = re.fullmatch(r"(?:ALE/)?([A-Za-z]+?)(?:NoFrameskip)?-v\d+", flags.env)
     if kwargs is None or match is None:
         raise ValueError(f"--env_backend envpool supports Atari ids only (ALE/Pong-v5, PongNoFrameskip-v4), got {flags.env!r}")
-    repeat_action_probability = getattr(flags, "repeat_action_probability", None)
-    if repeat_action_probability is None:
-        repeat_action_probability = kwargs.get("repeat_action_probability", 0.25)
+    if WRAPPERS:
+        names = ", ".join(getattr(w, "__name__", repr(w)) for w in WRAPPERS)
+        raise ValueError(f"--env_backend envpool steps its games in C++ and cannot apply the wrappers "
+                         f"in beast/envs.py WRAPPERS ({names}); use --env_backend gymnasium")
     return envpool.make(
         f"{match.group(1)}-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs,
         num_threads=num_threads,
         seed=int(getattr(flags, "seed", 0) or 0) if seed is None else int(seed) % 2**31,
         episodic_life=bool(getattr(flags, "episodic_life", False)),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
-        noop_max=30, use_fire_reset=True, repeat_action_probability=repeat_action_probability,
+        noop_max=30, use_fire_reset=True, repeat_action_probability=_sticky_action_probability(flags, kwargs),
         max_episode_steps=MAX_FRAMES_PER_EPISODE // 4,
     )
 
@@ -525,7 +545,7 @@ def _unknown_env_message(env_id):
 
 
 def create_env(flags):
-    """Creates one environment for training or evaluation.
+    """Creates one environment for training or evaluation, wrapped in WRAPPERS.
 
     flags: argparse.Namespace with
       env (str): the environment id (see the module docstring for the accepted ids).
@@ -537,13 +557,20 @@ def create_env(flags):
     Seeding is the caller's: RolloutAdapter(env, seed) seeds the first reset.
     Returns a gymnasium.Env. Raises ValueError for an unknown id or a missing package.
     """
-    env_id = flags.env
     backend = getattr(flags, "env_backend", "gymnasium") or "gymnasium"
     if backend == "envpool":
         return EnvPoolSingle(create_envpool(flags, num_envs=1))
     if backend != "gymnasium":
         raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
+    env = _make_env(flags)
+    for wrapper in WRAPPERS:
+        env = wrapper(env)
+    return env
 
+
+def _make_env(flags):
+    """The environment of flags.env before WRAPPERS."""
+    env_id = flags.env
     if env_id.startswith("MinAtar/"):
         return _make_minatar(env_id)
     if ":" in env_id:
@@ -563,27 +590,35 @@ def create_env(flags):
     return _make_registered(env_id)
 
 
+def env_kind(env):
+    """"atari" when our Atari preprocessing (or EnvPool's) is anywhere inside `env`, whatever wraps
+    it; otherwise "image" for [C, H, W] observations and "vector" for the rest. The kind picks the
+    defaults of beast/flags.py."""
+    layer = env
+    while layer is not None:
+        if isinstance(layer, (AtariPreprocessing, EnvPoolSingle)):
+            return "atari"
+        layer = getattr(layer, "env", None)
+    return "image" if len(env.observation_space.shape) == 3 else "vector"
+
+
 def env_info(flags):
     """What the learner needs to build the model, read from one environment created and closed here.
 
     Returns dict(observation_shape: tuple, observation_dtype: np.dtype, num_actions: int,
-    is_atari: bool, is_image: bool (3-D observations)). Raises ValueError for a non-Discrete
-    action space.
+    kind: "atari" | "image" | "vector" (see env_kind), env_fields: the rollout fields the
+    environment side writes (beast/rollout.py)). Raises ValueError for a non-Discrete action
+    space or a bad rollout_fields declaration.
     """
     env = create_env(flags)
     try:
-        if not isinstance(env.action_space, spaces.Discrete):
-            raise ValueError(
-                f"Environment {flags.env!r} has action space {env.action_space}; only Discrete "
-                "action spaces are supported (the policy is a softmax over actions)"
-            )
-        shape = tuple(env.observation_space.shape)
+        adapter = RolloutAdapter(env)
         return dict(
-            observation_shape=shape,
+            observation_shape=adapter.observation_shape,
             observation_dtype=np.dtype(env.observation_space.dtype),
-            num_actions=int(env.action_space.n),
-            is_atari=isinstance(env, (AtariPreprocessing, EnvPoolSingle)),
-            is_image=len(shape) == 3,
+            num_actions=adapter.num_actions,
+            kind=env_kind(env),
+            env_fields=adapter.fields,
         )
     finally:
         env.close()
@@ -592,7 +627,7 @@ def env_info(flags):
 class RolloutAdapter:
     """Steps a Gymnasium env and returns each step in the rollout format (numpy values, no batch dims).
 
-    initial() / step(action) return dict(
+    initial() / step(action) return a dict with one entry per env field of beast/rollout.py:
       frame          observation, as the env returns it (uint8 [4, 84, 84] for Atari,
                      float32 [obs_dim] for vector tasks); every env from create_env returns a
                      fresh array each step, which the caller may keep,
@@ -602,19 +637,27 @@ class RolloutAdapter:
                      as end-of-life episodes do; else == done; False at initial()),
       episode_return float32, the real game's return so far; at game_over the finished game's total,
       episode_step   int32, the real game's steps so far; at game_over the finished game's length,
-      last_action    int64, the action that led here (0 at initial())).
+      last_action    int64, the action that led here (0 at initial()),
+    plus the fields that the env or its wrappers declare in `rollout_fields`, read from the info
+    dict of each step (required) and of reset() (zeros when absent).
     When a step ends an episode, step() resets the env: the frame returned is the next episode's
-    first, while reward, episode_return and episode_step describe the step and game that ended.
+    first, while reward, episode_return, episode_step and the declared fields describe the step
+    and game that ended.
     """
 
     def __init__(self, gym_env, seed=None):
         if not isinstance(gym_env.action_space, spaces.Discrete):
-            raise ValueError(f"RolloutAdapter needs a Discrete action space, got {gym_env.action_space}")
+            raise ValueError(
+                f"Environment {gym_env} has action space {gym_env.action_space}; only Discrete "
+                "action spaces are supported (the policy is a softmax over actions)")
         self.env = gym_env
         self.seed = seed
         self.observation_space = gym_env.observation_space
         self.observation_shape = tuple(gym_env.observation_space.shape)
         self.num_actions = int(gym_env.action_space.n)
+        self.extra_fields = rollout.declared_fields(gym_env)
+        self.fields = rollout.core_env_fields(self.observation_shape,
+                                              gym_env.observation_space.dtype) + self.extra_fields
         if seed is not None:
             gym_env.action_space.seed(seed)
         self._seed_pending = True  # the seed goes to the first reset only; later resets continue its RNG
@@ -625,10 +668,10 @@ class RolloutAdapter:
     def initial(self):
         seed = self.seed if self._seed_pending else None
         self._seed_pending = False
-        frame, _ = self.env.reset(seed=seed)
+        frame, info = self.env.reset(seed=seed)
         self._episode_return = 0.0
         self._episode_step = 0
-        return dict(
+        output = dict(
             frame=frame,
             reward=np.float32(0.0),
             done=np.bool_(True),
@@ -637,6 +680,9 @@ class RolloutAdapter:
             episode_step=np.int32(0),
             last_action=np.int64(0),
         )
+        if self.extra_fields:
+            self._add_declared(output, info, required=False)
+        return output
 
     def step(self, action):
         action = int(action)
@@ -650,10 +696,7 @@ class RolloutAdapter:
         if game_over:
             self._episode_return = 0.0
             self._episode_step = 0
-        if done:
-            frame, _ = self.env.reset()
-        return dict(
-            frame=frame,
+        output = dict(
             reward=np.float32(reward),
             done=np.bool_(done),
             game_over=np.bool_(game_over),
@@ -661,6 +704,26 @@ class RolloutAdapter:
             episode_step=np.int32(episode_step),
             last_action=np.int64(action),
         )
+        if self.extra_fields:
+            self._add_declared(output, info, required=True)
+        if done:
+            frame, _ = self.env.reset()
+        output["frame"] = frame
+        return output
+
+    def _add_declared(self, output, info, required):
+        for field in self.extra_fields:
+            if field.name not in info:
+                if required:
+                    raise KeyError(f"{self.env} declares the rollout field {field.name!r} but its "
+                                   "step() info has no such key")
+                output[field.name] = np.zeros(field.shape, field.dtype)
+                continue
+            value = np.asarray(info[field.name], dtype=field.dtype)
+            if value.shape != field.shape:
+                raise ValueError(f"rollout field {field.name!r} has shape {value.shape}, declared "
+                                 f"{field.shape}")
+            output[field.name] = value
 
     def close(self):
         """Closes the env; calling it again does nothing."""

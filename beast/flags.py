@@ -1,60 +1,188 @@
-"""Command-line flags shared by MonoBeast and PolyBeast, and their checks.
+"""Command-line flags shared by MonoBeast, PolyBeast and the env servers, and their checks.
 
-Flag names follow TorchBeast where the concept is the same. Flags whose good
-value depends on the environment (Atari frames or a small vector) default to
-None and are filled in by `apply_env_defaults` once the environment is known;
-anything the user passes on the command line always wins.
+Flag names follow TorchBeast where the concept is the same. Flags whose good value depends on the
+kind of environment default to None on the command line and are filled in from ENV_DEFAULTS by
+`apply_env_defaults` once the environment is known; anything the user passes always wins. Help
+strings that state such a default are generated from the table (`describe_defaults`), so they
+cannot drift from the values that apply.
+
+The environment flags (`add_env_flags`) are declared once, here, for the learners and for
+`python -m polybeast_env`; `env_flag_args` turns a learner's values back into the command line
+that starts env servers on the same environment. Env server addresses are parsed here as well.
 """
 
 import argparse
 import os
 
-# Defaults chosen per kind of environment. Atari follows TorchBeast (and the
-# IMPALA paper's single-machine settings); vector tasks such as CartPole want
-# a small MLP, short unrolls, larger batches and a faster learning rate.
-ATARI_DEFAULTS = dict(
-    model="atari",
-    total_steps=50_000_000,
-    batch_size=8,
-    unroll_length=80,
-    learning_rate=0.00048,
-    entropy_cost=0.0006,
-    reward_clipping="abs_one",
-    episodic_life=False,
-)
-# Chosen with `python -m bench.solve` (2 cores, MonoBeast): CartPole-v1 reached a mean
-# return of 475 in 65 of 65 tuning runs and 6 of 8 later checks on a loaded machine
-# (two failures: an early collapse, a stall at 318), about 12 s from launch in the median
-# on an idle machine; the former settings (T=20, lr 0.008, entropy
-# 0.01, 500k steps) missed on 4 of 20. The learning rate decays to 0 over total_steps:
-# the late, small steps are what settle the policy, so the schedule must end soon after
-# the task is usually solved (1M ends some runs just short of it; constant rates never
-# settle). T=80 means fewer learner steps per env step (more SPS, steadier). Seen to
-# collapse or stall: lr 0.008 at T=40 (2 seeds of 10), entropy 0.01 at T=80 (1 of 30).
-VECTOR_DEFAULTS = dict(
-    model="mlp",
-    total_steps=1_500_000,
-    batch_size=16,
-    unroll_length=80,
-    learning_rate=0.006,
-    entropy_cost=0.005,
-    hidden_size=128,
-    reward_clipping="none",
-    episodic_life=False,
-)
-# Small images (MinAtar): the MLP settings except for the net, the schedule and the step
-# size; unroll_length and entropy_cost keep the values they had before the CartPole tuning.
-IMAGE_DEFAULTS = dict(VECTOR_DEFAULTS, model="atari", total_steps=5_000_000,
-                      learning_rate=0.00048, unroll_length=20, entropy_cost=0.01)
-ATARI_DEFAULTS["hidden_size"] = 128  # Unused by the conv nets; kept for the checkpoint check.
+# The kinds of environment that choose defaults, as beast.envs.env_info reports them in
+# info["kind"], and how help strings name them.
+KIND_LABELS = {
+    "atari": "Atari",  # ALE games with our preprocessing: uint8 [4, 84, 84]
+    "image": "other images",  # any other [C, H, W] observation, e.g. MinAtar's [C, 10, 10]
+    "vector": "vector",  # [D] observations, e.g. CartPole's [4]
+}
+
+# Defaults by kind of environment, for the flags that default to None. Every kind lists every key.
+ENV_DEFAULTS = {
+    # TorchBeast's settings (the IMPALA paper's single-machine ones).
+    "atari": dict(
+        model="atari",
+        total_steps=50_000_000,
+        batch_size=8,
+        unroll_length=80,
+        learning_rate=0.00048,
+        entropy_cost=0.0006,
+        hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
+        reward_clipping="abs_one",
+        episodic_life=False,
+    ),
+    # Written for MinAtar: the vector settings except for the net, the schedule and the step
+    # size; unroll_length and entropy_cost keep the values they had before the CartPole tuning.
+    # The ResNet, not the Atari net: the Atari net's 8x8 stride-4 first layer needs frames of
+    # at least 36 px, and MinAtar's are 10x10. The ResNet (3x3 convolutions, padded
+    # poolings) fits frames of any size, so an image env with large frames gets a net that
+    # fits as well; it is the IMPALA paper's net for 84x84 frames.
+    "image": dict(
+        model="resnet",
+        total_steps=5_000_000,
+        batch_size=16,
+        unroll_length=20,
+        learning_rate=0.00048,
+        entropy_cost=0.01,
+        hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
+        reward_clipping="none",
+        episodic_life=False,
+    ),
+    # Chosen with `python -m bench.solve` (2 cores, MonoBeast): CartPole-v1 reached a mean
+    # return of 475 in 65 of 65 tuning runs and 6 of 8 later checks on a loaded machine
+    # (two failures: an early collapse, a stall at 318), about 12 s from launch in the median
+    # on an idle machine; the former settings (T=20, lr 0.008, entropy
+    # 0.01, 500k steps) missed on 4 of 20. The learning rate decays to 0 over total_steps:
+    # the late, small steps are what settle the policy, so the schedule must end soon after
+    # the task is usually solved (1M ends some runs just short of it; constant rates never
+    # settle). T=80 means fewer learner steps per env step (more SPS, steadier). Seen to
+    # collapse or stall: lr 0.008 at T=40 (2 seeds of 10), entropy 0.01 at T=80 (1 of 30).
+    "vector": dict(
+        model="mlp",
+        total_steps=1_500_000,
+        batch_size=16,
+        unroll_length=80,
+        learning_rate=0.006,
+        entropy_cost=0.005,
+        hidden_size=128,
+        reward_clipping="none",
+        episodic_life=False,
+    ),
+}
+
+
+def _format_default(value):
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return repr(value)  # exact: the shortest text that reads back as this float
+    return str(value)
+
+
+def kind_defaults(table, key=None):
+    """{kind: value} for every kind of KIND_LABELS, in its order.
+
+    Args:
+      table: {kind: {flag: value}} (the shape of ENV_DEFAULTS) when key is given, else
+        {kind: value}, e.g. {"atari": 4, "image": 32, "vector": 32}.
+      key: a flag name, or None.
+    Raises ValueError naming the kinds that the table lacks.
+    """
+    missing = [kind for kind in KIND_LABELS
+               if kind not in table or (key is not None and key not in table[kind])]
+    if missing:
+        what = f"{key!r} for " if key is not None else ""
+        raise ValueError(f"the defaults table has no {what}{', '.join(missing)} "
+                         f"(every kind needs one: {', '.join(KIND_LABELS)})")
+    return {kind: table[kind] if key is None else table[kind][key] for kind in KIND_LABELS}
+
+
+def describe_defaults(table, key=None):
+    """A per-kind default as help text: "80 Atari, 20 other images, 80 vector", or one value
+    ("128") when every kind has the same. Arguments as for kind_defaults."""
+    values = kind_defaults(table, key)
+    texts = {kind: _format_default(value) for kind, value in values.items()}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return ", ".join(f"{text} {KIND_LABELS[kind]}" for kind, text in texts.items())
+
+
+def _env_default(key):
+    return describe_defaults(ENV_DEFAULTS, key)
+
+
+def add_env_flags(parser):
+    """Adds the flags that decide which environments create_env makes (beast/envs.py). Shared by
+    the learners and polybeast_env; see env_flag_args."""
+    # Environment.
+    parser.add_argument("--env", type=str, default="CartPole-v1",
+                        help="Gymnasium environment id, e.g. CartPole-v1, ALE/Pong-v5, "
+                             "PongNoFrameskip-v4, MinAtar/Breakout-v1.")
+    parser.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
+                        help="Who steps the environments (envpool: Atari ids only).")
+    parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=None,
+                        help="Atari: end training episodes at each life lost (the logged return "
+                             f"stays the whole game's) (default: {_env_default('episodic_life')}).")
+    parser.add_argument("--repeat_action_probability", type=float, default=None,
+                        help="Atari sticky actions: the probability that the emulator repeats the "
+                             "previous action instead of the chosen one (default: the id's own "
+                             "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
+    return parser
+
+
+def _env_flag_actions():
+    return [action for action in add_env_flags(argparse.ArgumentParser(add_help=False))._actions
+            if action.option_strings]
+
+
+def env_flag_names():
+    """The Namespace names (dests) of the flags that add_env_flags declares."""
+    return [action.dest for action in _env_flag_actions()]
+
+
+def env_flag_args(flags):
+    """The command-line arguments that give an add_env_flags parser the environment flags'
+    values in `flags`, e.g. ["--env=ALE/Pong-v5", "--env_backend=gymnasium",
+    "--no-episodic_life"]. A flag at None is left out (the parser's default is None).
+
+    Raises ValueError for a value that the command line cannot express.
+    """
+    args = []
+    for action in _env_flag_actions():
+        value = getattr(flags, action.dest)
+        option = action.option_strings[0]
+        if value is None:
+            if action.default is not None:
+                raise ValueError(f"{option} is None, which the command line cannot express")
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            args.append(option if value else action.option_strings[1])
+        elif action.nargs is None and action.const is None:
+            args.append(f"{option}={value}")  # "=": a value may start with "-"
+        else:
+            raise ValueError(f"env_flag_args cannot write {option} ({type(action).__name__})")
+    return args
+
+
+def env_flag_problems(flags):
+    """The problems with the environment flags' values, as validate_flags lists them."""
+    problems = []
+    p = getattr(flags, "repeat_action_probability", None)
+    if p is not None and not 0.0 <= p <= 1.0:
+        problems.append(f"--repeat_action_probability must lie in [0, 1] (got {p}).")
+    return problems
 
 
 def add_common_flags(parser):
     """Adds every flag that both variants understand to `parser`."""
-    # Run and environment.
-    parser.add_argument("--env", type=str, default="CartPole-v1",
-                        help="Gymnasium environment id, e.g. CartPole-v1, "
-                             "ALE/Pong-v5, PongNoFrameskip-v4, MinAtar/Breakout-v1.")
+    add_env_flags(parser)
+    # Run.
     parser.add_argument("--mode", default="train", choices=["train", "test"],
                         help="Train a model, or load the run's checkpoint and "
                              "play --test_episodes episodes.")
@@ -65,22 +193,16 @@ def add_common_flags(parser):
                         help="Root directory; a run writes to savedir/xpid/.")
     parser.add_argument("--seed", type=int, default=0,
                         help="Seed for the model, the environments and sampling.")
-    parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction,
-                        default=None,
-                        help="Atari: end training episodes at each life lost "
-                             "(the logged return stays the whole game's).")
-    parser.add_argument("--env_backend", default="gymnasium",
-                        choices=["gymnasium", "envpool"],
-                        help="Who steps the environments.")
 
     # Training length and sizes.
     parser.add_argument("--total_steps", type=int, default=None,
                         help="Environment steps to train for "
-                             "(default: 50M on Atari, 1.5M on vector tasks).")
+                             f"(default: {_env_default('total_steps')}).")
     parser.add_argument("--batch_size", type=int, default=None,
-                        help="Rollouts per learner batch (default: 8 Atari, 16 vector).")
+                        help="Rollouts per learner batch "
+                             f"(default: {_env_default('batch_size')}).")
     parser.add_argument("--unroll_length", type=int, default=None,
-                        help="Steps T per rollout (default: 80 Atari, 20 vector).")
+                        help=f"Steps T per rollout (default: {_env_default('unroll_length')}).")
     parser.add_argument("--num_learner_threads", type=int, default=1,
                         help="Learner threads that take batches and update the model.")
     parser.add_argument("--disable_cuda", action="store_true",
@@ -95,27 +217,28 @@ def add_common_flags(parser):
     # Model.
     parser.add_argument("--model", default=None, choices=["atari", "resnet", "mlp"],
                         help="Network: TorchBeast's Atari net, the IMPALA ResNet, "
-                             "or an MLP (default: chosen from the observation).")
+                             f"or an MLP (default: {_env_default('model')}).")
     parser.add_argument("--use_lstm", action="store_true",
                         help="Add an LSTM core to the model.")
     parser.add_argument("--hidden_size", type=int, default=None,
-                        help="Width of the MLP's hidden layers (default: 128).")
+                        help="Width of the MLP's hidden layers "
+                             f"(default: {_env_default('hidden_size')}).")
 
     # Loss.
     parser.add_argument("--entropy_cost", type=float, default=None,
-                        help="Entropy cost (default: 0.0006 Atari, 0.01 vector).")
+                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
     parser.add_argument("--baseline_cost", type=float, default=0.5,
                         help="Baseline (value) cost.")
     parser.add_argument("--discounting", type=float, default=0.99,
                         help="Discount factor.")
     parser.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
                         help="Clip rewards to [-1, 1] for learning "
-                             "(default: abs_one on Atari, none elsewhere).")
+                             f"(default: {_env_default('reward_clipping')}).")
 
     # Optimizer (RMSprop, as in TorchBeast).
     parser.add_argument("--learning_rate", type=float, default=None,
-                        help="Initial learning rate, decayed linearly to 0 at "
-                             "total_steps (default: 0.00048 Atari, 0.006 vector).")
+                        help="Initial learning rate, decayed linearly to 0 at total_steps "
+                             f"(default: {_env_default('learning_rate')}).")
     parser.add_argument("--alpha", type=float, default=0.99,
                         help="RMSprop smoothing constant.")
     parser.add_argument("--momentum", type=float, default=0.0,
@@ -143,33 +266,30 @@ def add_common_flags(parser):
     return parser
 
 
-def apply_env_defaults(flags, info):
-    """Fills the flags left at None with the defaults for this environment.
+def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):
+    """Fills the flags left at None with the defaults of this kind of environment.
 
     Args:
       flags: the parsed argparse.Namespace; changed in place.
-      info: dict from beast.envs.env_info (observation_shape, is_atari, ...).
+      info: dict from beast.envs.env_info; reads info["kind"] ("atari", "image" or "vector").
+      table: {kind: {flag: value}}; ENV_DEFAULTS, or a script's own table of the same shape.
+      names: fill only these flags (e.g. env_flag_names() for an env server); None: all of
+        the table's.
+    Returns flags. Raises ValueError for an unknown kind.
     """
-    if info["is_atari"]:
-        defaults = ATARI_DEFAULTS
-    elif len(info["observation_shape"]) == 3:
-        defaults = IMAGE_DEFAULTS
-    else:
-        defaults = VECTOR_DEFAULTS
-    for key, value in defaults.items():
-        if getattr(flags, key, None) is None:
+    kind = info["kind"]
+    if kind not in KIND_LABELS:
+        raise ValueError(f"unknown environment kind {kind!r}; expected one of "
+                         f"{', '.join(KIND_LABELS)}")
+    for key, value in table[kind].items():
+        if (names is None or key in names) and getattr(flags, key, None) is None:
             setattr(flags, key, value)
-    if len(info["observation_shape"]) == 3 and info["observation_shape"][-1] < 40:
-        # Small images such as MinAtar's 10x10 do not survive the Atari net's
-        # 8x8 stride-4 first layer.
-        if flags.model == "atari" and not info["is_atari"]:
-            flags.model = "resnet"
     return flags
 
 
 def validate_flags(flags, extra_problems=()):
     """Checks every flag at once and raises one FlagError listing all problems."""
-    problems = list(extra_problems)
+    problems = list(extra_problems) + env_flag_problems(flags)
 
     def need(condition, message):
         if not condition:
@@ -253,6 +373,56 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        # "is", not "in (...)": 0 == False, and a default of 0 is worth showing.
+        if ("default" in text or action.default is None or action.default is False
+                or action.default is argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+# ---------------------------------------------------------------------------------------------
+# Env server addresses: "unix:PATH" (this machine only) or "HOST:PORT" / "tcp:HOST:PORT" (TCP).
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def split_host_port(address):
+    """"tcp:HOST:PORT" or "HOST:PORT" -> (HOST, PORT as int); an IPv6 HOST is written [::1].
+    Raises ValueError for anything else, unix:PATH included."""
+    text = address[len("tcp:"):] if address.startswith("tcp:") else address
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected a TCP address HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def is_loopback(address):
+    """Whether only this machine can reach `address` (unix:PATH, or a loopback HOST:PORT).
+    Raises ValueError for an address that is neither unix:PATH nor HOST:PORT."""
+    if address.startswith("unix:"):
+        return True
+    host, _ = split_host_port(address)
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def parse_address_list(text):
+    """A comma-separated --server_addresses value -> a list of gRPC addresses: "unix:PATH"
+    as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing comma) are
+    skipped. Raises ValueError naming the first bad entry, or for a list with no address."""
+    addresses = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        if entry.startswith("unix:"):
+            if entry == "unix:":
+                raise ValueError(f"{entry!r} names no socket path: give unix:PATH")
+            addresses.append(entry)
+            continue
+        try:
+            host, port = split_host_port(entry)
+        except ValueError:
+            raise ValueError(f"{entry!r} is neither unix:PATH nor HOST:PORT") from None
+        addresses.append(f"{host}:{port}")
+    if not addresses:
+        raise ValueError(f"no address in {text!r}: give unix:PATH or HOST:PORT, comma-separated")
+    return addresses

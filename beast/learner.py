@@ -9,6 +9,7 @@ agent-side tensors are cut to [:-1] and environment-side tensors to [1:].
 """
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -25,51 +26,118 @@ def clip_rewards(rewards, mode):
     return rewards
 
 
-def compute_loss(flags, learner_outputs, batch):
-    """The V-trace actor-critic loss for one batch.
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """What a loss term reads. Built once per step by compute_loss.
 
-    Args:
-      flags: needs discounting, reward_clipping, baseline_cost, entropy_cost.
-      learner_outputs: dict of the learner's forward pass over the whole
-        rollout: policy_logits float32 [T+1, B, A], baseline float32 [T+1, B].
-      batch: the rollout dict, tensors [T+1, B, ...] (see module docstring).
-
-    Returns:
-      (total_loss scalar tensor, dict of scalar tensors for logging).
+    Fields:
+      batch: the rollout dict, tensors [T+1, B, ...] (see module docstring),
+        including any extra keys the actors recorded.
+      learner_outputs: the learner's forward pass over the whole rollout,
+        tensors [T+1, B, ...] (floating ones float32), including any extra
+        model outputs.
+      vtrace_returns: vtrace.VTraceFromLogitsReturns, all float32 [T, B]: vs and
+        pg_advantages (targets, no gradient), log_rhos,
+        behavior_action_log_probs, target_action_log_probs (with gradient).
+      target_logits: float32 [T, B, A], learner_outputs["policy_logits"][:-1].
+      values: float32 [T, B], learner_outputs["baseline"][:-1], with gradient.
     """
-    assert learner_outputs["baseline"].dim() == 2, "baseline must be [T+1, B]"
+
+    batch: dict
+    learner_outputs: dict
+    vtrace_returns: vtrace.VTraceFromLogitsReturns
+    target_logits: torch.Tensor
+    values: torch.Tensor
+
+
+# Every term sums over time and batch, as TorchBeast does, so that its
+# learning rates carry over.
+
+
+def pg_loss(flags, inputs):
+    """Policy gradient: -sum_t log pi(a_t|x_t) * V-trace advantage_t."""
+    returns = inputs.vtrace_returns
+    return -(returns.target_action_log_probs * returns.pg_advantages).sum()
+
+
+def baseline_loss(flags, inputs):
+    """Value regression towards the V-trace targets; needs flags.baseline_cost."""
+    return flags.baseline_cost * 0.5 * ((inputs.vtrace_returns.vs - inputs.values) ** 2).sum()
+
+
+def entropy_loss(flags, inputs):
+    """Negative entropy of pi, so minimising it keeps the policy exploring;
+    needs flags.entropy_cost."""
+    log_policy = F.log_softmax(inputs.target_logits, dim=-1)
+    return flags.entropy_cost * (log_policy.exp() * log_policy).sum()
+
+
+# The loss is the sum of these terms, each fn(flags, LossInputs) -> scalar
+# tensor and logged under fn.__name__. To add a term, write one function and
+# add it here.
+LOSS_TERMS = (pg_loss, baseline_loss, entropy_loss)
+
+
+def loss_inputs(flags, learner_outputs, batch):
+    """Cuts the rollout to transitions and runs V-trace: the LossInputs of one batch.
+
+    Args: as compute_loss.
+    """
     # The value of the last observation bootstraps the returns beyond T.
     bootstrap_value = learner_outputs["baseline"][-1]
     target_logits = learner_outputs["policy_logits"][:-1].float()
     values = learner_outputs["baseline"][:-1].float()
-    behaviour_logits = batch["policy_logits"][:-1]
-    actions = batch["action"][:-1]
     rewards = clip_rewards(batch["reward"][1:].float(), flags.reward_clipping)
     # A done at t+1 means x_{t+1} starts a new episode: nothing flows back.
     discounts = (~batch["done"][1:]).float() * flags.discounting
-
     returns = vtrace.from_logits(
-        behavior_policy_logits=behaviour_logits,
+        behavior_policy_logits=batch["policy_logits"][:-1],
         target_policy_logits=target_logits,
-        actions=actions,
+        actions=batch["action"][:-1],
         discounts=discounts,
         rewards=rewards,
         values=values,
         bootstrap_value=bootstrap_value.float(),
     )
-    # Sums over time and batch, as TorchBeast does, so that its learning
-    # rates carry over.
-    pg_loss = -(returns.target_action_log_probs * returns.pg_advantages).sum()
-    baseline_loss = flags.baseline_cost * 0.5 * ((returns.vs - values) ** 2).sum()
-    log_policy = F.log_softmax(target_logits, dim=-1)
-    entropy_loss = flags.entropy_cost * (log_policy.exp() * log_policy).sum()
-    total_loss = pg_loss + baseline_loss + entropy_loss
-    stats = dict(
-        total_loss=total_loss.detach(),
-        pg_loss=pg_loss.detach(),
-        baseline_loss=baseline_loss.detach(),
-        entropy_loss=entropy_loss.detach(),
-    )
+    return LossInputs(batch=batch, learner_outputs=learner_outputs,
+                      vtrace_returns=returns, target_logits=target_logits,
+                      values=values)
+
+
+def compute_loss(flags, learner_outputs, batch):
+    """The V-trace actor-critic loss for one batch: the sum of LOSS_TERMS.
+
+    Args:
+      flags: needs discounting, reward_clipping and whatever the terms read
+        (baseline_cost, entropy_cost for the default ones).
+      learner_outputs: dict of the learner's forward pass over the whole
+        rollout: policy_logits float32 [T+1, B, A], baseline float32 [T+1, B];
+        other keys are passed on to the terms.
+      batch: the rollout dict (see module docstring): policy_logits float32
+        [T+1, B, A], action int64 [T+1, B], reward float32 [T+1, B], done bool
+        [T+1, B]; other keys are passed on to the terms.
+
+    Returns:
+      (total_loss scalar tensor, dict of detached scalar tensors for logging:
+      total_loss and one entry per term, keyed by the term's __name__).
+    """
+    assert learner_outputs["baseline"].dim() == 2, "baseline must be [T+1, B]"
+    assert learner_outputs["policy_logits"].dim() == 3, "policy_logits must be [T+1, B, A]"
+    inputs = loss_inputs(flags, learner_outputs, batch)
+    losses = {}
+    for term in LOSS_TERMS:
+        name = term.__name__
+        # The name is the logs.csv column: a clash would hide a term's value.
+        if name in losses or name == "total_loss":
+            raise ValueError(f"LOSS_TERMS: {name!r} is already a stats entry")
+        loss = term(flags, inputs)
+        if loss.dim() != 0:
+            raise ValueError(f"loss term {name} returned shape {tuple(loss.shape)}, "
+                             "expected a scalar")
+        losses[name] = loss
+    total_loss = sum(losses.values())
+    stats = {"total_loss": total_loss.detach()}
+    stats.update((name, loss.detach()) for name, loss in losses.items())
     return total_loss, stats
 
 
@@ -81,12 +149,21 @@ def autocast_context(device, precision):
 
 
 def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
-    """One optimisation step on one batch. Returns a dict of float stats.
+    """One optimisation step on one batch.
 
     Args:
-      model: the learner's model (on the learner device).
+      flags: needs grad_norm_clipping, optionally precision ("fp32" or
+        "bf16"), and what compute_loss needs.
+      model: the learner's model (on the learner device); model(batch, state)
+        returns (outputs dict of [T+1, B, ...] tensors, new core state).
+      optimizer, scheduler: a torch optimizer over model's parameters and its
+        learning-rate scheduler, stepped once each.
       batch: rollout dict of tensors [T+1, B, ...] on the learner device.
-      initial_agent_state: tuple of the core state before step 0 of each rollout.
+      initial_agent_state: tuple of the core state before step 0 of each
+        rollout (float32 [num_layers, B, hidden] each, or () without a core).
+
+    Returns:
+      dict of floats: compute_loss's stats plus grad_norm (before clipping).
     """
     device = next(model.parameters()).device
     with autocast_context(device, getattr(flags, "precision", "fp32")):

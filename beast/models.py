@@ -6,12 +6,17 @@ Every network has the same data path; only the torso differs:
     core input = features ++ clip(reward, -1, 1) ++ one_hot(last_action)
     core input --(optional LSTM, reset at episode starts)--> core output
     core output --> policy_logits [T, B, A], baseline [T, B]; action sampled
-                    from softmax(policy_logits) (training) or its argmax (eval)
+                    from softmax(policy_logits) in train mode, its argmax in eval
+                    mode (model.eval(): offline evaluation and --mode test)
 
 To try a new network, subclass ActorCritic, build the torso layers in
 __init__, pass their feature size to ActorCritic.__init__, write torso(), and
 add it to create_model. The core, the heads and the interface the learners use
 (forward, initial_state) come with the base class.
+
+Every key that forward returns becomes a field of the rollout (beast/rollout.py),
+in both variants: a new head only needs to return its output, [T, B, ...], and a
+loss term in beast/learner.py LOSS_TERMS can read it from the batch.
 """
 
 import torch
@@ -152,7 +157,7 @@ class ActorCritic(nn.Module):
         if self.training:
             action = torch.multinomial(F.softmax(policy_logits, dim=1), num_samples=1)
         else:
-            # Greedy actions for evaluation episodes.
+            # Greedy actions in eval mode (evaluation episodes, --mode test).
             action = torch.argmax(policy_logits, dim=1)
 
         outputs = dict(
@@ -296,8 +301,7 @@ def create_model(flags, observation_shape, num_actions):
 
     Reads flags.model ("atari", "resnet" or "mlp"; when missing or None,
     "atari" for [C, H, W] observations and "mlp" for [D]), flags.use_lstm
-    (default False), flags.hidden_size (MLP width, default 64) and
-    flags.mlp_activation ("tanh" or "relu", default "tanh").
+    (default False) and flags.hidden_size (MLP width, default 64).
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
@@ -331,6 +335,5 @@ def create_model(flags, observation_shape, num_actions):
             num_actions,
             use_lstm=use_lstm,
             hidden_size=getattr(flags, "hidden_size", 64),
-            activation=getattr(flags, "mlp_activation", "tanh"),
         )
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")

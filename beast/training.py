@@ -1,13 +1,30 @@
-"""What MonoBeast and PolyBeast share around the learner step: the run's
-set-up and checks, the learner's counters and checkpoints, signals,
-offline evaluation and --mode test."""
+"""The run skeleton that MonoBeast and PolyBeast share.
 
+A variant (monobeast.py, polybeast.py) keeps only what is its own: how actors
+produce rollouts and how they reach the learner threads. Everything around
+that is here, written once:
+
+    main -> train(flags, variant)
+              prepare: flags checked, run directory, checkpoint to resume
+              Run: Learner (model, optimizer, step counter)
+                   TrainingStats (episode returns, logs.csv every --log_interval_steps)
+                   Evaluator (offline evaluation), the status line, checkpoints
+              variant.train_loop(run, ...): actors -> batches -> run.learner_thread
+                   while the main thread runs run.supervise (stop requests,
+                   errors, status, checkpoints, evaluation)
+              the last checkpoint
+         -> test(flags, variant): play --test_episodes with the checkpoint
+"""
+
+import contextlib
+import dataclasses
 import json
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -17,140 +34,87 @@ from beast import envs
 from beast import flags as beast_flags
 from beast import learner
 from beast import models
+from beast import rollout
 from beast import runlog
-
-ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_step",
-            "last_action")
-
-
-class Trainer:
-    """The learner's shared state: model, optimizer, counters, logs; one lock."""
-
-    def __init__(self, flags, run_dir, learner_model, actor_model, optimizer, scheduler,
-                 logger, step=0, episode_state=None):
-        self.flags = flags
-        self.run_dir = run_dir
-        self.model = learner_model
-        self.actor_model = actor_model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.logger = logger
-        self.lock = threading.Lock()
-        self.step = step
-        self.episodes = runlog.EpisodeStats(window=100)
-        if episode_state:
-            self.episodes.load_state_dict(episode_state)
-        self.stats = {}
-        self.next_log_step = step + flags.log_interval_steps
-        self.start_step = step
-        self.start_time = time.time()
-        self.last_checkpoint = time.time()
-        self.evaluator = None
-        self.error_count = None
-
-    def learn(self, batch, state):
-        with self.lock:
-            stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                                       batch, state)
-            # Acting uses its own copy (shared memory in MonoBeast, the
-            # inference device in PolyBeast): send it the new weights.
-            if self.actor_model is not None and self.actor_model is not self.model:
-                self.actor_model.load_state_dict(self.model.state_dict())
-            returns, lengths = learner.episode_stats(batch)
-            self.episodes.add(returns, lengths)
-            self.step += self.flags.unroll_length * self.flags.batch_size
-            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
-            stats["mean_episode_return"] = self.episodes.mean_return()
-            stats["episodes"] = self.episodes.count
-            stats["sps"] = (self.step - self.start_step) / max(1e-9, time.time() - self.start_time)
-            if self.error_count is not None:
-                stats["env_errors"] = self.error_count.value
-            self.stats = stats
-            if self.evaluator is not None:
-                self.evaluator.snapshot_if_due(self)
-            if self.step >= self.next_log_step or self.step >= self.flags.total_steps:
-                self.logger.log(self.step, stats)
-                while self.next_log_step <= self.step:
-                    self.next_log_step += self.flags.log_interval_steps
-
-    def done(self):
-        return self.step >= self.flags.total_steps
-
-    def housekeeping(self, status, evaluator):
-        """Called often by the main loop: the status line, periodic
-        checkpoints and offline evaluation."""
-        if status is not None:
-            status.update(self.step, self.stats)
-        if time.time() - self.last_checkpoint > self.flags.checkpoint_interval_s:
-            self.save()
-            self.last_checkpoint = time.time()
-        evaluator.maybe_run(self)
-
-    def save(self):
-        with self.lock:
-            state = dict(
-                model_state_dict=self.model.state_dict(),
-                optimizer_state_dict=self.optimizer.state_dict(),
-                scheduler_state_dict=self.scheduler.state_dict(),
-                step=self.step,
-                flags=ckpt.plain_flags(self.flags),
-                episodes=self.episodes.state_dict(),
-            )
-            ckpt.save_checkpoint(self.run_dir.checkpoint_path, state)
-
-
 
 
 class UserError(Exception):
     """A problem the user can fix; printed as one message, no traceback."""
 
 
-def prepare(flags, variant_defaults=None):
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a variant plugs into the skeleton.
+
+    make_parser:     () -> argparse.ArgumentParser with the common flags and the variant's own.
+    check_flags:     (flags, info) -> list of problems; fills the variant's env-dependent flags.
+    acting_model:    (flags, info, model) -> what the actors act with, given the learner's
+                     model; the learner sends it the weights after every step through its
+                     load_state_dict.
+    train_loop:      (run, acting_model, environments) -> None; returns when run.done(), on a
+                     stop request, or raises.
+    environments:    flags -> context manager entered before the models are built (PolyBeast
+                     starts its env servers here, so they boot while the models are built).
+    per_start_flags: flags never taken from a resumed run's saved flags.
+    """
+
+    make_parser: object
+    check_flags: object
+    acting_model: object
+    train_loop: object
+    environments: object = lambda flags: contextlib.nullcontext()
+    per_start_flags: frozenset = frozenset()
+
+
+# ----------------------------------------------------------------------------
+# Set-up.
+
+def prepare(flags, check_flags=None):
     """Resolves the run directory, saved flags and environment defaults, and
     checks everything before any work starts.
 
     Args:
-      variant_defaults: optional fn(flags, info) -> list of problems, which
-        fills the variant's own env-dependent flags and checks them.
+      check_flags: optional fn(flags, info) -> list of problems, which fills
+        the variant's own env-dependent flags and checks them.
     Returns (run_dir, info, checkpoint or None).
     """
     # Nothing is created until every flag has been checked.
     run_dir = runlog.RunDir(flags.savedir, flags.xpid, create=False)
     flags.xpid = run_dir.xpid
-    checkpoint = None
-    if os.path.exists(run_dir.checkpoint_path):
-        if os.path.exists(run_dir.flags_path):
-            with open(run_dir.flags_path) as f:
-                beast_flags.merge_saved_flags(flags, json.load(f), flags.given)
-        try:
-            checkpoint = ckpt.load_checkpoint(run_dir.checkpoint_path)
-        except ckpt.CheckpointError as e:
-            raise UserError(str(e)) from None
-    elif flags.mode == "test":
-        raise UserError(f"No checkpoint at {run_dir.checkpoint_path}: train with "
-                        f"--xpid {flags.xpid} first, or give the --xpid of a trained run.")
+    checkpoint = _saved_run(flags, run_dir)
     try:
         info = envs.env_info(flags)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
     beast_flags.apply_env_defaults(flags, info)
-    problems = list(variant_defaults(flags, info)) if variant_defaults else []
+    problems = list(check_flags(flags, info)) if check_flags else []
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
     try:
         beast_flags.validate_flags(flags, problems)
-    except beast_flags.FlagError as e:
-        raise UserError(str(e)) from None
-    if checkpoint is not None:
-        try:
+        if checkpoint is not None:
             ckpt.check_compatible(checkpoint["flags"], flags)
-        except ckpt.CheckpointError as e:
-            raise UserError(str(e)) from None
-    try:
         run_dir.create()
-    except runlog.RunDirError as e:
+    except (beast_flags.FlagError, ckpt.CheckpointError, runlog.RunDirError) as e:
         raise UserError(str(e)) from None
     return run_dir, info, checkpoint
+
+
+def _saved_run(flags, run_dir):
+    """On a resume (or --mode test), the saved flags fill the flags not given and the
+    checkpoint is read; returns it, or None for a new run."""
+    if not os.path.exists(run_dir.checkpoint_path):
+        if flags.mode == "test":
+            raise UserError(f"No checkpoint at {run_dir.checkpoint_path}: train with "
+                            f"--xpid {flags.xpid} first, or give the --xpid of a trained run.")
+        return None
+    if os.path.exists(run_dir.flags_path):
+        with open(run_dir.flags_path) as f:
+            beast_flags.merge_saved_flags(flags, json.load(f), flags.given)
+    try:
+        return ckpt.load_checkpoint(run_dir.checkpoint_path)
+    except ckpt.CheckpointError as e:
+        raise UserError(str(e)) from None
 
 
 def build_model(flags, info):
@@ -158,8 +122,6 @@ def build_model(flags, info):
         return models.create_model(flags, tuple(info["observation_shape"]), info["num_actions"])
     except ValueError as e:
         raise UserError(str(e)) from None
-
-
 
 
 def install_signal_handlers():
@@ -177,18 +139,256 @@ def install_signal_handlers():
     return stop
 
 
+def select_device(flags):
+    use_cuda = torch.cuda.is_available() and not flags.disable_cuda
+    return torch.device("cuda" if use_cuda else "cpu")
 
+
+# ----------------------------------------------------------------------------
+# The learner and the run's statistics.
+
+class Learner:
+    """The model being trained, its optimizer and schedule, and the step counter; one lock.
+
+    update() is one learner step; afterwards the acting model (MonoBeast's
+    shared-memory copy, PolyBeast's inference replicas) gets the new weights.
+    """
+
+    def __init__(self, flags, model, acting_model, checkpoint=None):
+        self.flags = flags
+        self.model = model
+        self.acting_model = acting_model
+        self.optimizer, self.scheduler = learner.create_optimizer(flags, model)
+        self.step = 0
+        self.lock = threading.Lock()
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model_state_dict"])
+            self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+            self.scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
+            self.step = int(checkpoint["step"])
+        acting_model.load_state_dict(model.state_dict())
+
+    def update(self, batch, initial_agent_state):
+        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats)."""
+        with self.lock:
+            stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
+                                       batch, initial_agent_state)
+            self.acting_model.load_state_dict(self.model.state_dict())
+            self.step += self.flags.unroll_length * self.flags.batch_size
+            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+            return self.step, stats
+
+    def weights(self):
+        """A CPU copy of the model's weights."""
+        with self.lock:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def state_dict(self):
+        """The learner's part of a checkpoint."""
+        with self.lock:
+            return dict(model_state_dict=self.model.state_dict(),
+                        optimizer_state_dict=self.optimizer.state_dict(),
+                        scheduler_state_dict=self.scheduler.state_dict(),
+                        step=self.step)
+
+
+class TrainingStats:
+    """Returns of the games that end in the training batches, the latest losses, and the
+    rows of logs.csv (every --log_interval_steps); one lock, which also guards the logger."""
+
+    def __init__(self, flags, logger, start_step, episode_state=None):
+        self.flags = flags
+        self.logger = logger
+        self.lock = threading.Lock()
+        self.episodes = runlog.EpisodeStats(window=100)
+        if episode_state:
+            self.episodes.load_state_dict(episode_state)
+        self.latest = {}
+        self.env_errors = None  # the actors' environment restarts, when the variant counts them
+        self.start_step, self.start_time = start_step, time.time()
+        self.next_log_step = start_step + flags.log_interval_steps
+
+    def record(self, step, stats, batch):
+        """Adds one learner step's stats and finished games; writes a row when one is due."""
+        returns, lengths = learner.episode_stats(batch)
+        with self.lock:
+            self.episodes.add(returns, lengths)
+            stats["mean_episode_return"] = self.episodes.mean_return()
+            stats["mean_episode_length"] = self.episodes.mean_length()
+            stats["episodes"] = self.episodes.count
+            stats["sps"] = (step - self.start_step) / max(1e-9, time.time() - self.start_time)
+            if self.env_errors is not None:
+                stats["env_errors"] = self.env_errors
+            self.latest = stats
+            if step >= self.next_log_step or step >= self.flags.total_steps:
+                self.logger.log(step, stats)
+                while self.next_log_step <= step:
+                    self.next_log_step += self.flags.log_interval_steps
+
+    def log(self, step, stats):
+        """Writes a row of other stats (evaluation results)."""
+        with self.lock:
+            self.logger.log(step, stats)
+
+
+class ThreadErrors:
+    """The errors of a run's threads, kept for the main thread to raise (Run.supervise)."""
+
+    def __init__(self):
+        self._errors = []
+
+    def thread(self, name, target, *args, on_error=None):
+        """A daemon thread running target(*args); an exception is printed (a UserError only
+        as its message, by the main thread), kept, and on_error() is called."""
+        def run():
+            try:
+                target(*args)
+            except Exception as e:
+                if not isinstance(e, UserError):
+                    traceback.print_exc()
+                # Without its traceback: the frames would keep alive what the thread held
+                # (an inference Batch whose callers wait until it is dropped).
+                self._errors.append(e.with_traceback(None))
+                if on_error is not None:
+                    on_error()
+        return threading.Thread(target=run, name=name, daemon=True)
+
+    def raise_first(self):
+        if self._errors:
+            raise self._errors[0]
+
+
+class Run:
+    """One training run, as a variant's train_loop sees it.
+
+    Learner threads call learner_thread(batches); the main thread calls supervise()
+    (or, in a serial loop, housekeeping()) until done() or a stop request.
+    """
+
+    def __init__(self, flags, info, run_dir, checkpoint, logger, stop, model, acting_model):
+        self.flags, self.info, self.run_dir, self.stop = flags, info, run_dir, stop
+        self.device = next(model.parameters()).device
+        try:
+            self.schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.learner = Learner(flags, model, acting_model, checkpoint)
+        if checkpoint is not None:
+            print(f"Resuming {run_dir.path} from step {self.learner.step}.", file=sys.stderr)
+        self.stats = TrainingStats(flags, logger, self.learner.step,
+                                   checkpoint.get("episodes") if checkpoint else None)
+        self.evaluator = Evaluator(flags, info, self.learner.step)
+        self.status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
+        self.errors = ThreadErrors()
+        self.last_checkpoint = time.time()
+
+    def done(self):
+        return self.learner.step >= self.flags.total_steps
+
+    def learn(self, batch, initial_agent_state):
+        """One learner step on a batch [T+1, B, ...], with its stats and evaluation snapshot."""
+        step, stats = self.learner.update(batch, initial_agent_state)
+        self.stats.record(step, stats, batch)
+        self.evaluator.snapshot_if_due(step, self.learner)
+
+    def learner_thread(self, batches):
+        """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
+        total_steps or the end of `batches`."""
+        for batch, initial_agent_state in batches:
+            if self.done():
+                return
+            self.learn(batch, initial_agent_state)
+
+    def housekeeping(self, env_errors=None):
+        """Called often by the main thread: the status line, periodic checkpoints and
+        offline evaluation. env_errors: the environment restarts so far, if counted."""
+        if env_errors is not None:
+            with self.stats.lock:
+                self.stats.env_errors = env_errors
+        if self.status is not None:
+            self.status.update(self.learner.step, self.stats.latest)
+        if time.time() - self.last_checkpoint > self.flags.checkpoint_interval_s:
+            self.save()
+            self.last_checkpoint = time.time()
+        self.evaluator.run_pending(self.stats)
+
+    def supervise(self, threads, check=None, env_errors=None):
+        """The main thread of a run with actors: until total_steps, a stop request or a
+        failure. Raises the first error of a thread, and whatever check() raises (a dead
+        actor process, say); a thread of `threads` that ends early is an error too."""
+        while not self.done():
+            time.sleep(0.2)
+            if self.stop.is_set():
+                print("\nStopping on request; the run can be resumed with "
+                      f"--xpid {self.flags.xpid}.", file=sys.stderr)
+                return
+            self.errors.raise_first()
+            if check is not None:
+                check()
+            ended = [t.name for t in threads if not t.is_alive()]
+            if ended and not self.done():
+                self.errors.raise_first()
+                raise RuntimeError(f"thread {', '.join(ended)} ended unexpectedly.")
+            self.housekeeping(env_errors() if env_errors is not None else None)
+        self.errors.raise_first()
+
+    def save(self):
+        """Writes the checkpoint: everything a resume needs."""
+        state = self.learner.state_dict()
+        with self.stats.lock:
+            state["episodes"] = self.stats.episodes.state_dict()
+        state["flags"] = ckpt.plain_flags(self.flags)
+        ckpt.save_checkpoint(self.run_dir.checkpoint_path, state)
+
+    def close(self):
+        """At the end, whatever ended it: the status line, the last checkpoint."""
+        if self.status is not None:
+            self.status.close()
+        self.save()
+
+
+def train(flags, variant):
+    """Trains with `variant`'s actors until --total_steps or a stop request; returns the Run."""
+    run_dir, info, checkpoint = prepare(flags, variant.check_flags)
+    torch.manual_seed(flags.seed)
+    np.random.seed(flags.seed)
+    torch.set_num_threads(flags.num_torch_threads)
+    # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run through the
+    # finally blocks, which also stop whatever the variant started.
+    stop = install_signal_handlers()
+    with variant.environments(flags) as environments:
+        runlog.write_metadata(run_dir, flags)
+        with runlog.StatsLogger(run_dir) as logger:
+            model = build_model(flags, info).to(select_device(flags))
+            acting_model = variant.acting_model(flags, info, model)
+            run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model)
+            try:
+                variant.train_loop(run, acting_model, environments)
+                run.evaluator.run_pending(run.stats)  # the last snapshot, if training outran it
+            finally:
+                run.close()
+    print(f"Trained to step {run.learner.step}; mean episode return "
+          f"{run.stats.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
+    return run
+
+
+# ----------------------------------------------------------------------------
+# Evaluation and --mode test.
 
 def play_episodes(flags, model, num_episodes, seed):
-    """Plays whole games with `model` on a fresh environment; returns their returns."""
+    """Plays whole games with `model` on a fresh environment; returns their returns.
+
+    The model acts greedily (argmax): it is put in eval mode, as TorchBeast's test mode does.
+    """
     env = envs.RolloutAdapter(envs.create_env(flags), seed=seed)
+    model.eval()
     returns = []
     try:
         env_output = env.initial()
         state = model.initial_state(1)
         while len(returns) < num_episodes:
-            inputs = {k: torch.as_tensor(np.asarray(env_output[k])).view(1, 1, *np.shape(env_output[k]))
-                      for k in ENV_KEYS}
+            inputs = {k: torch.as_tensor(np.asarray(v)).view(1, 1, *np.shape(v))
+                      for k, v in env_output.items()}
             with torch.no_grad():
                 output, state = model(inputs, state)
             env_output = env.step(int(output["action"].item()))
@@ -203,33 +403,36 @@ class Evaluator:
     """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
     episodes on separate environments, logged apart from training episodes.
 
-    The learner takes a snapshot of the weights when a step crosses the
-    interval (Trainer.learn calls snapshot_if_due under its lock); the main
-    loop plays the episodes later, so learning never waits for them and no
-    evaluation is skipped however fast training runs.
+    A learner thread takes a snapshot of the weights when a step crosses the
+    interval (snapshot_if_due); the main thread plays the episodes later
+    (run_pending), so learning never waits for them and no evaluation is
+    skipped however fast training runs.
     """
 
-    def __init__(self, flags, info, trainer):
+    def __init__(self, flags, info, start_step):
         self.flags = flags
         self.info = info
-        self.next_step = trainer.step + flags.eval_interval_steps
+        self.next_step = start_step + flags.eval_interval_steps
         self.model = None
-        self.pending = []  # (step, weights) waiting to be played, oldest first.
+        self.lock = threading.Lock()
+        self.pending = []  # (step, weights) waiting to be played, oldest first. GUARDED_BY(lock)
         self.count = 0
-        trainer.evaluator = self
 
-    def snapshot_if_due(self, trainer):
-        """Called with trainer.lock held."""
-        if self.flags.eval_interval_steps <= 0 or trainer.step < self.next_step:
+    def snapshot_if_due(self, step, learner_):
+        if self.flags.eval_interval_steps <= 0 or step < self.next_step:
             return
-        while self.next_step <= trainer.step:
-            self.next_step += self.flags.eval_interval_steps
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
-        # A few at most: if playing falls far behind, the oldest go unplayed.
-        self.pending = self.pending[-3:] + [(trainer.step, weights)]
+        with self.lock:
+            if step < self.next_step:  # another learner thread took it
+                return
+            while self.next_step <= step:
+                self.next_step += self.flags.eval_interval_steps
+        weights = learner_.weights()
+        with self.lock:
+            # A few at most: if playing falls far behind, the oldest go unplayed.
+            self.pending = self.pending[-3:] + [(step, weights)]
 
-    def maybe_run(self, trainer):
-        with trainer.lock:
+    def run_pending(self, stats):
+        with self.lock:
             pending, self.pending = self.pending, []
         for step, weights in pending:
             if self.model is None:
@@ -238,13 +441,12 @@ class Evaluator:
             self.count += 1
             returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
                                     seed=10_000_000 + self.count)
-            with trainer.lock:
-                trainer.logger.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
-                                          "eval_episodes": len(returns)})
+            stats.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
+                             "eval_episodes": len(returns)})
 
 
-def test(flags, variant_defaults=None):
-    run_dir, info, checkpoint = prepare(flags, variant_defaults)
+def test(flags, variant):
+    run_dir, info, checkpoint = prepare(flags, variant.check_flags)
     torch.set_num_threads(flags.num_torch_threads)
     model = build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])
@@ -255,29 +457,8 @@ def test(flags, variant_defaults=None):
     return returns
 
 
-def select_device(flags):
-    use_cuda = torch.cuda.is_available() and not flags.disable_cuda
-    return torch.device("cuda" if use_cuda else "cpu")
-
-
-def create_learner(flags, info, run_dir, checkpoint, logger):
-    """Builds the learner model and optimizer, restored from `checkpoint` when
-    resuming, and the Trainer that owns them."""
-    device = select_device(flags)
-    flags.device = str(device)
-    model = build_model(flags, info).to(device)
-    optimizer, scheduler = learner.create_optimizer(flags, model)
-    step, episode_state = 0, None
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model_state_dict"])
-        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
-        scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
-        step = int(checkpoint["step"])
-        episode_state = checkpoint.get("episodes")
-        print(f"Resuming {run_dir.path} from step {step}.", file=sys.stderr)
-    return Trainer(flags, run_dir, model, None, optimizer, scheduler, logger,
-                   step=step, episode_state=episode_state)
-
+# ----------------------------------------------------------------------------
+# The command line.
 
 def parse_flags(parser, argv=None, always_given=()):
     """Parses argv; records which flags were typed (they win over a resumed
@@ -288,13 +469,14 @@ def parse_flags(parser, argv=None, always_given=()):
     return flags
 
 
-def run_main(flags, train_fn, test_fn):
+def main(variant, argv=None):
     """Runs train or test; a UserError ends with its message and exit code 2."""
+    flags = parse_flags(variant.make_parser(), argv, variant.per_start_flags)
     try:
         if flags.mode == "train":
-            train_fn(flags)
+            train(flags, variant)
         else:
-            test_fn(flags)
+            test(flags, variant)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

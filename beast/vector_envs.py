@@ -1,7 +1,7 @@
 """A batch of environments stepped together: what an actor or an env-server stream drives.
 
-    actions [N] -> VectorEnv.step -> dict of arrays [N, ...]
-        (frame, reward, done, game_over, episode_return, episode_step, last_action)
+    actions [N] -> VectorEnv.step -> dict of arrays [N, ...], one per env field of the
+        rollout schema (beast/rollout.py; `fields` lists them)
 
 Each row follows RolloutAdapter's convention (see beast/envs.py): a step that ends an episode
 returns the next episode's first frame, with the reward, done and episode totals of the step that
@@ -24,17 +24,7 @@ import traceback
 import numpy as np
 
 from beast import envs
-
-# name -> dtype of every per-step field besides the frame.
-SCALAR_FIELDS = dict(
-    reward=np.float32,
-    done=np.bool_,
-    game_over=np.bool_,
-    episode_return=np.float32,
-    episode_step=np.int32,
-    last_action=np.int64,
-)
-
+from beast import rollout
 
 def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     """N environments as one VectorEnv.
@@ -58,11 +48,8 @@ def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
 
 
-def _empty_outputs(num_envs, frame_shape, frame_dtype):
-    outputs = {"frame": np.zeros((num_envs,) + tuple(frame_shape), dtype=frame_dtype)}
-    for key, dtype in SCALAR_FIELDS.items():
-        outputs[key] = np.zeros(num_envs, dtype=dtype)
-    return outputs
+def _empty_outputs(num_envs, fields):
+    return {f.name: np.zeros((num_envs,) + f.shape, dtype=f.dtype) for f in fields}
 
 
 class GymnasiumVectorEnv:
@@ -77,8 +64,8 @@ class GymnasiumVectorEnv:
         self.name = name
         self.restarts = 0
         self.envs = [self._make_env(j, 0) for j in range(num_envs)]
-        space = self.envs[0].observation_space
-        self.outputs = _empty_outputs(num_envs, space.shape, space.dtype)
+        self.fields = self.envs[0].fields
+        self.outputs = _empty_outputs(num_envs, self.fields)
 
     def _make_env(self, j, restart):
         env_seed = self.seed * 1000 + j + 100_000 * restart
@@ -128,21 +115,25 @@ class EnvPoolVectorEnv:
     The returned arrays are reused by the next call: copy what you keep.
     """
 
+    restarts = 0  # EnvPool's environments are never restarted from here
+
     def __init__(self, flags, num_envs, seed):
         self.num_envs = num_envs
         self.pool = envs.create_envpool(flags, num_envs, seed=seed)
         self.env_ids = np.arange(num_envs, dtype=np.int32)
         space = self.pool.observation_space
-        self.outputs = _empty_outputs(num_envs, space.shape, space.dtype)
+        self.fields = rollout.core_env_fields(space.shape, space.dtype)
+        self.outputs = _empty_outputs(num_envs, self.fields)
         self._return = np.zeros(num_envs, dtype=np.float64)
         self._length = np.zeros(num_envs, dtype=np.int64)
 
     def initial(self):
         frame, info = self.pool.reset()
         out = self.outputs
+        for key, array in out.items():
+            if key != "frame":
+                array[:] = 0
         out["frame"][info["env_id"]] = frame
-        for key in SCALAR_FIELDS:
-            out[key][:] = 0
         out["done"][:] = True
         self._return[:] = 0
         self._length[:] = 0

@@ -29,12 +29,13 @@ from beast import envs
 from beast import flags as beast_flags
 from beast import learner
 from beast import models
+from beast import rollout
 
 # What a network needs to be built and fed: the observation, the actions and its width.
 NetSpec = collections.namedtuple("NetSpec", "model hidden_size observation_shape num_actions")
 
 ATARI_NET = NetSpec("atari", 128, (4, 84, 84), 6)  # hidden_size: unused by the conv net
-CARTPOLE_NET = NetSpec("mlp", beast_flags.VECTOR_DEFAULTS["hidden_size"], (4,), 2)
+CARTPOLE_NET = NetSpec("mlp", beast_flags.ENV_DEFAULTS["vector"]["hidden_size"], (4,), 2)
 NULL_NET = NetSpec("mlp", 8, (4,), 2)
 
 
@@ -50,15 +51,14 @@ def net_flags(net, precision="fp32"):
     """MonoBeast's flags for a network, with the repo's defaults for that kind of input.
 
     Returns (flags, info) as the learner would see them: T, B, learning rate,
-    costs, etc. come from beast.flags (ATARI_DEFAULTS or VECTOR_DEFAULTS).
+    costs, etc. come from beast.flags ENV_DEFAULTS.
     """
     is_image = len(net.observation_shape) == 3
     info = dict(
         observation_shape=tuple(net.observation_shape),
         observation_dtype=np.dtype(np.uint8 if is_image else np.float32),
         num_actions=net.num_actions,
-        is_atari=is_image,
-        is_image=is_image,
+        kind="atari" if is_image else "vector",
     )
     argv = ["--model", net.model, "--hidden_size", str(net.hidden_size),
             "--precision", precision]
@@ -75,9 +75,12 @@ def build_net(flags, info):
 def random_rollout(flags, info, length, batch_size, seed=0):
     """A rollout dict of random tensors [length, batch_size, ...] in MonoBeast's buffer layout."""
     generator = torch.Generator().manual_seed(seed)
-    rollout = {}
-    for key, (shape, dtype) in monobeast.rollout_specs(flags, info).items():
-        size = (length, batch_size) + tuple(shape)
+    env_fields = rollout.core_env_fields(info["observation_shape"], info["observation_dtype"])
+    schema = rollout.Schema.of(env_fields, build_net(flags, info), info["num_actions"])
+    batch = {}
+    for key, field in schema.fields.items():
+        size = (length, batch_size) + field.shape
+        dtype = field.torch_dtype
         if dtype == torch.uint8:
             value = torch.randint(0, 256, size, dtype=dtype, generator=generator)
         elif dtype == torch.bool:
@@ -86,8 +89,8 @@ def random_rollout(flags, info, length, batch_size, seed=0):
             value = torch.randn(size, generator=generator).to(dtype)
         else:  # actions, last actions, episode steps
             value = torch.randint(0, info["num_actions"], size, dtype=dtype, generator=generator)
-        rollout[key] = value
-    return rollout
+        batch[key] = value
+    return batch
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import time
 from beast import envs
 from beast import flags as beast_flags
 from beast import runlog
+from beast import training
 
 from bench import ceilings
 
@@ -47,10 +48,10 @@ def resolve(workload):
     cannot start fails here with an exception whose message says why.
     """
     module = importlib.import_module(workload.variant)
-    flags = module.parse_flags(["--env", workload.env, *workload.args])
+    flags = training.parse_flags(module.make_parser(), ["--env", workload.env, *workload.args])
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
-    problems = module.variant_defaults(flags, info)
+    problems = module.check_flags(flags, info)
     if problems:
         raise ValueError("; ".join(problems))
     workload.flags = flags
@@ -69,8 +70,8 @@ def resolve(workload):
             workload.inference_batch = getattr(flags, "inference_batch_size", None)
         if workload.inference_batch is None:
             workload.inference_batch = max(1, flags.num_actors)
-        # Each request carries the envs_per_actor environments of one stream.
-        workload.inference_batch *= getattr(flags, "envs_per_actor", 1) or 1
+        # Each request carries the envs_per_stream environments of one stream.
+        workload.inference_batch *= flags.envs_per_stream
     return workload
 
 

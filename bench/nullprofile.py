@@ -1,6 +1,6 @@
 """Where the time of a null-environment step goes.
 
-MonoBeast: its own pieces (monobeast.Sampler, get_batch, training.Trainer.learn)
+MonoBeast: its own pieces (monobeast.Sampler, get_batch, training.Learner.update)
 run in this process on Null-v0 with the tiny MLP, with one intra-op thread, each
 part timed with perf_counter accumulators that wrap the methods of these
 objects (nothing in the repo is changed). Every cost is given in microseconds
@@ -28,6 +28,7 @@ import monobeast
 from beast import envs
 from beast import flags as beast_flags
 from beast import learner
+from beast import rollout
 from beast import training
 
 from bench import ceilings
@@ -72,14 +73,13 @@ def _patched(module, name, value):
 
 
 def null_flags(argv):
-    flags = monobeast.parse_flags(["--env", "Null-v0", *argv])
+    flags = training.parse_flags(monobeast.make_parser(), ["--env", "Null-v0", *argv])
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
-    problems = monobeast.variant_defaults(flags, info)
+    problems = monobeast.check_flags(flags, info)
     if problems:
         raise ValueError("; ".join(problems))
     flags.total_steps = 10**12
-    flags.device = "cpu"
     return flags, info
 
 
@@ -96,11 +96,12 @@ def profile_monobeast(argv, budget_s):
     with ceilings.torch_threads(1):
         torch.manual_seed(0)
         model = training.build_model(flags, info)
-        buffers = monobeast.create_buffers(flags, monobeast.rollout_specs(flags, info))
+        schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+        buffers = monobeast.create_buffers(flags, schema)
         state_buffers = monobeast.create_state_buffers(model, flags.num_buffers)
 
         # ---- Actor: one Sampler stepping envs_per_actor environments. ----
-        sampler = monobeast.Sampler(flags, model, buffers, state_buffers, k, seed=0)
+        sampler = monobeast.Sampler(flags, model, schema, buffers, state_buffers, k, seed=0)
         vector = sampler.envs  # a beast.vector_envs.GymnasiumVectorEnv
         for adapter in vector.envs:
             adapter.env.step = acc.wrap("env", adapter.env.step)
@@ -151,16 +152,21 @@ def profile_monobeast(argv, budget_s):
         rows.append(("mp.SimpleQueue put+get of buffer indices (same process; no wake-ups)",
                      2 * pair_s * 1e6 / T, "hand-off"))
 
-        # ---- Learner: get_batch, then Trainer.learn (learn_step, weight publish, stats). ----
+        # ---- Learner: get_batch, then Learner.update (learn_step, weight publish) and
+        # TrainingStats.record (episodes, stats), as Run.learn does. ----
         actor_model = training.build_model(flags, info)
         learner_model = training.build_model(flags, info)
-        optimizer, scheduler = learner.create_optimizer(flags, learner_model)
-        trainer = training.Trainer(flags, None, learner_model, actor_model, optimizer, scheduler,
-                                   _NullLogger())
+        run_learner = training.Learner(flags, learner_model, actor_model)
+        run_stats = training.TrainingStats(flags, _NullLogger(), 0)
         actor_model.load_state_dict = acc.wrap("publish", actor_model.load_state_dict)
+
+        def learn(batch, initial_agent_state):
+            step, stats = run_learner.update(batch, initial_agent_state)
+            run_stats.record(step, stats, batch)
+
         full_queue, free_queue = queue.SimpleQueue(), queue.SimpleQueue()
         timed_get_batch = acc.wrap("get_batch", monobeast.get_batch)
-        timed_learn = acc.wrap("learn", trainer.learn)
+        timed_learn = acc.wrap("learn", learn)
         device = torch.device("cpu")
 
         def one_learner_step():
@@ -189,7 +195,7 @@ def profile_monobeast(argv, budget_s):
              s["learn_step"]),
             ("weight publish (actor_model.load_state_dict)", s["publish"]),
             ("episode_stats", s["episode_stats"]),
-            ("Trainer.learn rest (lock, counters, stats dict)",
+            ("Learner.update and TrainingStats.record rest (locks, counters, stats dict)",
              s["learn"] - s["learn_step"] - s["publish"] - s["episode_stats"]),
         ]
         rows += [(name, seconds * per_step, "learner") for name, seconds in learner_rows]

@@ -55,7 +55,7 @@ def workloads():
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
           ["--env_backend", "envpool"]),
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
-          ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
+          ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
@@ -67,7 +67,7 @@ def workloads():
           ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
         W("mono-null", "monobeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
         W("poly-null-1env", "polybeast", "Null-v0", "MLP 8, one env per stream",
-          ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
+          ["--num_actors", "4", "--envs_per_stream", "1", *NULL_MODEL_ARGS]),
         W("poly-null", "polybeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
     ]
 
@@ -284,7 +284,7 @@ def config_of(workload):
     if workload.variant == "monobeast":
         shape = f"{f.num_actors} actors x {f.envs_per_actor} envs"
     else:
-        shape = f"{f.num_actors} servers x {f.envs_per_actor} envs"
+        shape = f"{f.num_actors} servers x {f.envs_per_stream} envs"
     return f"{workload.label}: {shape}, B={f.batch_size}, T={f.unroll_length}"
 
 
@@ -329,7 +329,7 @@ def section_bound(report, ceil, resolved, cores):
         "medians; EnvPool's env cost is its core-us/step, synchronous, one thread). "
         "Bound = cores / cost: the SPS if every core did "
         "nothing but this work. PolyBeast's inference batch is the largest its dynamic "
-        "batcher forms (--inference_batch_size = --num_actors streams of --envs_per_actor "
+        "batcher forms (--inference_batch_size = --num_actors streams of --envs_per_stream "
         "environments each), so its bound is optimistic.")
     return bounds
 
@@ -413,7 +413,7 @@ def section_profile(report, args, workdir, resolved, e2e_results, bounds, cores)
         table(["side", "part", "us per env step", "share"], lines),
         f"MonoBeast's own objects on Null-v0 with MLP {ctx['hidden_size']} in this process, "
         f"one intra-op thread: a Sampler with {ctx['envs_per_actor']} envs ({ctx['unrolls']} "
-        f"unrolls of T={ctx['unroll_length']}), then get_batch + Trainer.learn "
+        f"unrolls of T={ctx['unroll_length']}), then get_batch + Learner.update + TrainingStats.record "
         f"({ctx['learner_steps']} steps, B={ctx['batch_size']}), each part timed by "
         "perf_counter wrappers. Costs are per env step; the learner's per step = per learner "
         "step / (T*B).")

@@ -7,7 +7,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from beast import envs
+from beast import envs, rollout
 
 
 def make_flags(env, **kwargs):
@@ -97,8 +97,10 @@ def test_atari_rewards_add_up_to_episode_return():
 
 def test_old_atari_id_plays_a_full_game_and_resets():
     info = envs.env_info(make_flags("PongNoFrameskip-v4"))
+    fields = info.pop("env_fields")
     assert info == dict(observation_shape=(4, 84, 84), observation_dtype=np.dtype(np.uint8),
-                        num_actions=6, is_atari=True, is_image=True)
+                        num_actions=6, kind="atari")
+    assert fields == rollout.core_env_fields((4, 84, 84), np.uint8)
     adapter = make_adapter("PongNoFrameskip-v4", seed=3)
     ale = adapter.env.unwrapped.ale
     assert ale.getFloat("repeat_action_probability") == 0.0  # v4: no sticky actions
@@ -350,9 +352,10 @@ def test_missing_optional_packages_say_what_to_install(monkeypatch):
 
 
 def test_env_info():
-    assert envs.env_info(make_flags("CartPole-v1")) == dict(
-        observation_shape=(4,), observation_dtype=np.dtype(np.float32), num_actions=2,
-        is_atari=False, is_image=False)
+    info = envs.env_info(make_flags("CartPole-v1"))
+    assert info.pop("env_fields") == rollout.core_env_fields((4,), np.float32)
+    assert info == dict(observation_shape=(4,), observation_dtype=np.dtype(np.float32),
+                        num_actions=2, kind="vector")
     with pytest.raises(ValueError, match="Discrete"):
         envs.env_info(make_flags("Pendulum-v1"))
     with pytest.raises(ValueError, match="Discrete"):
@@ -389,7 +392,7 @@ def test_same_seed_same_trajectory(env_id):
 def test_minatar_channels_first():
     pytest.importorskip("minatar", reason="MinAtar is optional: pip install minatar")
     info = envs.env_info(make_flags("MinAtar/Breakout-v1"))
-    assert info["observation_shape"][1:] == (10, 10) and info["is_image"] and not info["is_atari"]
+    assert info["observation_shape"][1:] == (10, 10) and info["kind"] == "image"
     adapter = make_adapter("MinAtar/Breakout-v1")
     first = adapter.initial()
     assert first["frame"].dtype == np.float32 and first["frame"].shape == info["observation_shape"]

@@ -78,9 +78,10 @@ def test_create_model_picks_classes_and_defaults():
     mlp = models.create_model(argparse.Namespace(model="mlp"), (8,), 3)
     assert mlp.layers[0].out_features == 64  # default hidden_size
     assert mlp.core is None  # default use_lstm
-    relu = models.create_model(
-        argparse.Namespace(model="mlp", hidden_size=32, mlp_activation="relu"), (8,), 3)
-    assert relu.layers[0].out_features == 32 and isinstance(relu.layers[1], torch.nn.ReLU)
+    wide = models.create_model(argparse.Namespace(model="mlp", hidden_size=32), (8,), 3)
+    assert wide.layers[0].out_features == 32 and isinstance(wide.layers[1], torch.nn.Tanh)
+    relu = models.MLP((8,), 3, hidden_size=32, activation="relu")
+    assert isinstance(relu.layers[1], torch.nn.ReLU)
 
 
 def test_atari_shape_end_to_end():

@@ -19,6 +19,7 @@ import torch
 
 import monobeast
 from beast import envs, flags as beast_flags
+from beast import rollout, training
 from beast import checkpoint as ckpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,10 +62,11 @@ def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False,
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
     flags.num_buffers = num_buffers
-    model = monobeast.training.build_model(flags, info)
-    buffers = monobeast.create_buffers(flags, monobeast.rollout_specs(flags, info))
+    model = training.build_model(flags, info)
+    schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+    buffers = monobeast.create_buffers(flags, schema)
     state_buffers = monobeast.create_state_buffers(model, num_buffers)
-    sampler = monobeast.Sampler(flags, model, buffers, state_buffers, num_envs, seed=3)
+    sampler = monobeast.Sampler(flags, model, schema, buffers, state_buffers, num_envs, seed=3)
     return sampler, buffers, state_buffers, info
 
 
@@ -242,18 +244,20 @@ def test_unwritable_savedir(tmp_path):
 def test_old_atari_ids_are_accepted():
     flags = argparse.Namespace(env="PongNoFrameskip-v4", episodic_life=False)
     info = envs.env_info(flags)
-    assert info["is_atari"] and tuple(info["observation_shape"]) == (4, 84, 84)
+    assert info["kind"] == "atari" and tuple(info["observation_shape"]) == (4, 84, 84)
     assert np.dtype(info["observation_dtype"]) == np.uint8
 
 
 def test_env_defaults_by_observation_kind():
     """Vector tasks get the tuned CartPole settings; small images keep their own step size,
     unroll length and entropy cost; Atari keeps TorchBeast's."""
-    def resolved(shape, is_atari=False):
+    def resolved(kind):
         flags = monobeast.make_parser().parse_args([])
-        beast_flags.apply_env_defaults(flags, dict(observation_shape=shape, is_atari=is_atari))
-        return (flags.model, flags.unroll_length, flags.learning_rate, flags.entropy_cost)
+        beast_flags.apply_env_defaults(flags, dict(kind=kind))
+        monobeast.check_flags(flags, dict(kind=kind))
+        return (flags.model, flags.unroll_length, flags.learning_rate, flags.entropy_cost,
+                flags.envs_per_actor)
 
-    assert resolved((4,)) == ("mlp", 80, 0.006, 0.005)
-    assert resolved((4, 10, 10)) == ("resnet", 20, 0.00048, 0.01)
-    assert resolved((4, 84, 84), is_atari=True) == ("atari", 80, 0.00048, 0.0006)
+    assert resolved("vector") == ("mlp", 80, 0.006, 0.005, 32)
+    assert resolved("image") == ("resnet", 20, 0.00048, 0.01, 32)
+    assert resolved("atari") == ("atari", 80, 0.00048, 0.0006, 4)

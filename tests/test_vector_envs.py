@@ -6,7 +6,7 @@ import argparse
 import numpy as np
 import pytest
 
-from beast import envs, vector_envs
+from beast import envs, rollout, vector_envs
 
 
 def make_flags(env, **overrides):
@@ -39,8 +39,8 @@ def test_gymnasium_backend_equals_separate_adapters():
                 assert_same_step(out, j, single.step(actions[j]))
             dones += int(out["done"].sum())
         assert dones > 10  # the comparison went through episode ends
-        assert {key: out[key].dtype for key in vector_envs.SCALAR_FIELDS} == {
-            key: np.dtype(dtype) for key, dtype in vector_envs.SCALAR_FIELDS.items()}
+        assert {key: out[key].dtype for key in out} == {
+            f.name: f.dtype for f in rollout.core_env_fields((4,), np.float32)}
     finally:
         vector.close()
         for single in singles:

@@ -1,0 +1,209 @@
+"""The rollout schema: every field of a rollout, declared once.
+
+A rollout is a dict of arrays with leading dims [T+1, B]. Index t holds the
+environment's output x_t and the agent's output computed on it
+(obs[t] -> action[t]; beast/learner.py states the indexing the loss uses).
+Each field is written by one side:
+
+  env    the environment adapter (beast/envs.py RolloutAdapter, the vector envs
+         of beast/vector_envs.py), which PolyBeast's env servers send over gRPC;
+  agent  the acting model's forward pass (beast/models.py).
+
+CORE_FIELDS are the fields the learner needs. Others ride along without an
+edit here or anywhere else in the code:
+
+  * an environment, or any wrapper around it, declares fields of its own in a
+    `rollout_fields` attribute, a tuple of `Field`s; RolloutAdapter reads their
+    values from the `info` dict of every step (see beast/envs.py);
+  * every key that a model's forward returns is an agent field.
+
+`Schema` holds one run's fields with their dtypes and per-step shapes.
+MonoBeast's shared buffers, the vector envs' output arrays, PolyBeast's
+required env keys and the learner's check of each batch all derive from it;
+the C++ extension moves whatever named arrays arrive without knowing names.
+
+Only numpy and torch are imported.
+"""
+
+import dataclasses
+
+import numpy as np
+import torch
+
+ENV = "env"
+AGENT = "agent"
+# Per-step shapes that depend on the environment (core_env_fields, Schema fill them in).
+OBSERVATION = "observation"
+NUM_ACTIONS = "num_actions"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One rollout field.
+
+    name:   the key in every rollout dict.
+    dtype:  a NumPy dtype (anything np.dtype accepts).
+    shape:  the shape of one step of one environment, without [T, B].
+    source: ENV or AGENT, the side that writes it.
+    doc:    what it means, for readers of the schema.
+    """
+
+    name: str
+    dtype: object
+    shape: tuple = ()
+    source: str = ENV
+    doc: str = ""
+
+    def __post_init__(self):
+        if self.source not in (ENV, AGENT):
+            raise ValueError(f"field {self.name!r}: source must be {ENV!r} or {AGENT!r}, "
+                             f"got {self.source!r}")
+        if not isinstance(self.shape, str):
+            # A placeholder (NUM_ACTIONS) stays a name; Schema checks against the real size.
+            shape = tuple(n if isinstance(n, str) else int(n) for n in self.shape)
+            object.__setattr__(self, "shape", shape)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @property
+    def torch_dtype(self):
+        return torch.from_numpy(np.zeros(0, dtype=self.dtype)).dtype
+
+
+CORE_FIELDS = (
+    Field("frame", None, OBSERVATION, ENV,
+          "the observation x_t (uint8 [4, 84, 84] on Atari, float32 [D] on vector tasks)"),
+    Field("reward", np.float32, (), ENV, "reward of the step that led to x_t; 0 at the first"),
+    Field("done", np.bool_, (), ENV,
+          "x_t is the first observation of a training episode (the step that led here "
+          "ended the previous one, or nothing came before)"),
+    Field("game_over", np.bool_, (), ENV,
+          "the step that led to x_t ended the real game (differs from done with "
+          "end-of-life episodes)"),
+    Field("episode_return", np.float32, (), ENV,
+          "the real game's return so far; at game_over the finished game's total"),
+    Field("episode_step", np.int32, (), ENV,
+          "the real game's steps so far; at game_over the finished game's length"),
+    Field("last_action", np.int64, (), ENV, "the action that led to x_t; 0 at the first"),
+    Field("policy_logits", np.float32, (NUM_ACTIONS,), AGENT,
+          "logits of the behaviour policy mu(.|x_t)"),
+    Field("baseline", np.float32, (), AGENT, "the value estimate V(x_t)"),
+    Field("action", np.int64, (), AGENT, "the action a_t taken on x_t"),
+)
+CORE_NAMES = tuple(f.name for f in CORE_FIELDS)
+
+
+def core_env_fields(observation_shape, observation_dtype):
+    """The core env fields, with the frame's shape and dtype filled in."""
+    fields = []
+    for f in CORE_FIELDS:
+        if f.source != ENV:
+            continue
+        if f.shape == OBSERVATION:
+            f = dataclasses.replace(f, shape=tuple(observation_shape), dtype=observation_dtype)
+        fields.append(f)
+    return tuple(fields)
+
+
+def declared_fields(env):
+    """The extra env fields declared by `env` and every wrapper inside it (outermost first).
+
+    Each layer may have a `rollout_fields` attribute: a tuple of Fields with source ENV.
+    """
+    fields, layer = [], env
+    while layer is not None:
+        for f in getattr(layer, "rollout_fields", ()):
+            if f.source != ENV:
+                raise ValueError(f"{type(layer).__name__}.rollout_fields: {f.name!r} must have "
+                                 f"source {ENV!r}, got {f.source!r}")
+            fields.append(f)
+        layer = getattr(layer, "env", None)
+    names = [f.name for f in fields]
+    clash = sorted({n for n in names if names.count(n) > 1 or n in CORE_NAMES})
+    if clash:
+        raise ValueError(f"rollout_fields of {type(env).__name__} declare {', '.join(clash)} "
+                         "twice or with the name of a core field; rename them")
+    return tuple(fields)
+
+
+def agent_fields(model, env_fields):
+    """The agent fields of `model`: one per key its forward returns, probed on zeros.
+
+    The probe runs one [T=1, B=1] step without a gradient and leaves the global
+    RNG as it was, so seeded runs do not change because of it.
+    """
+    inputs = {f.name: torch.zeros((1, 1) + f.shape, dtype=f.torch_dtype) for f in env_fields}
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    state = tuple(s.to(device) for s in model.initial_state(1))
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        outputs, _ = model(inputs, state)
+    fields = []
+    for name, value in outputs.items():
+        if tuple(value.shape[:2]) != (1, 1):
+            raise ValueError(f"the model's output {name!r} has shape {tuple(value.shape)}; "
+                             "every output must have leading dims [T, B]")
+        dtype = torch.empty(0, dtype=value.dtype).numpy().dtype
+        fields.append(Field(name, dtype, tuple(value.shape[2:]), AGENT))
+    return tuple(fields)
+
+
+class Schema:
+    """The fields of one run's rollouts, by name, env fields first.
+
+    Args:
+      fields: Fields with concrete shapes and dtypes (no OBSERVATION/NUM_ACTIONS).
+      num_actions: the size of the action space, to check the core agent fields.
+    """
+
+    def __init__(self, fields, num_actions):
+        self.fields = {}
+        for f in sorted(fields, key=lambda f: f.source != ENV):
+            if f.name in self.fields:
+                raise ValueError(f"two rollout fields are called {f.name!r}: the model's outputs "
+                                 "and the environment's fields must have different names")
+            self.fields[f.name] = f
+        self._check_core(num_actions)
+
+    @classmethod
+    def of(cls, env_fields, model, num_actions):
+        """The schema of a run: the environment's fields and what `model` returns."""
+        return cls(tuple(env_fields) + agent_fields(model, env_fields), num_actions)
+
+    def _check_core(self, num_actions):
+        for core in CORE_FIELDS:
+            f = self.fields.get(core.name)
+            if f is None:
+                writer = "the model's forward" if core.source == AGENT else "the environment"
+                raise ValueError(f"{writer} must provide the rollout field {core.name!r} "
+                                 f"({core.doc})")
+            shape = (num_actions,) if core.shape == (NUM_ACTIONS,) else core.shape
+            if core.shape != OBSERVATION and (f.shape != shape or f.dtype != core.dtype):
+                raise ValueError(f"rollout field {core.name!r} must be {core.dtype} with per-step "
+                                 f"shape {shape}, got {f.dtype} {f.shape}")
+
+    def names(self, source=None):
+        return tuple(n for n, f in self.fields.items() if source in (None, f.source))
+
+    def zeros(self, leading_shape, source=None, make=np.zeros):
+        """A dict of zero arrays [*leading_shape, *shape] for the fields of `source` (all: None)."""
+        return {n: make(tuple(leading_shape) + f.shape, dtype=f.dtype)
+                for n, f in self.fields.items() if source in (None, f.source)}
+
+    def check(self, arrays, leading_dims, where):
+        """Raises ValueError naming the first field of `arrays` that is missing or does not fit.
+
+        arrays: dict of numpy arrays or tensors [*leading, *shape]; leading_dims: how many
+        leading dims to skip. A value that crosses a boundary is checked where it enters.
+        """
+        for name, f in self.fields.items():
+            value = arrays.get(name)
+            if value is None:
+                raise ValueError(f"{where}: the rollout field {name!r} is missing")
+            dtype = value.dtype
+            if isinstance(dtype, torch.dtype):
+                dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            if dtype != f.dtype or tuple(value.shape[leading_dims:]) != f.shape:
+                raise ValueError(f"{where}: rollout field {name!r} is {dtype} "
+                                 f"{tuple(value.shape[leading_dims:])} per step; the run expects "
+                                 f"{f.dtype} {f.shape}")

@@ -1,0 +1,385 @@
+"""beast/flags.py: help text that states the defaults that apply, the per-kind defaults, the
+environment flags shared with polybeast_env, and env server addresses."""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import polybeast_env
+from beast import flags as beast_flags
+from beast.flags import ENV_DEFAULTS, KIND_LABELS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOIN_TIMEOUT_S = 30
+
+
+def common_parser():
+    parser = argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter)
+    return beast_flags.add_common_flags(parser)
+
+
+def env_parser():
+    return beast_flags.add_env_flags(argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter))
+
+
+def action_for(parser, dest):
+    return next((a for a in parser._actions if a.dest == dest and a.option_strings), None)
+
+
+def env_actions(parser):
+    return [a for a in parser._actions if a.dest in beast_flags.env_flag_names()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Help text, read back from the rendered --help.
+
+
+def rendered_help(parser):
+    """{"--flag": its help text as `--help` prints it, wrapped lines joined}."""
+    entries, current = {}, None
+    for line in parser.format_help().splitlines():
+        start = re.match(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$", line)
+        if start:
+            current = start.group(1).split(",")[0].split()[0]
+            entries[current] = start.group(2) or ""
+        elif current is not None and line.startswith("    ") and line.strip():
+            text = entries[current]
+            # textwrap breaks after hyphens ("one-" / "environment"): join those without a space.
+            joiner = "" if re.search(r"\w-$", text) else " "
+            entries[current] = (text + joiner + line.strip()) if text else line.strip()
+        else:
+            current = None
+    return entries
+
+
+def stated_defaults(help_text, action):
+    """The "(default: ...)" of a help text as {kind: value}, in the action's type."""
+    match = re.search(r"\(default: ([^()]*)\)", help_text)
+    if match is None:
+        return None
+
+    def value_of(text):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return {"on": True, "off": False}[text]
+        if action.type is int:
+            return int(text.replace(",", ""))
+        if action.type is float:
+            return float(text)
+        return text
+
+    kind_of_label = {label: kind for kind, label in KIND_LABELS.items()}
+    segments = match.group(1).split(", ")
+    if len(segments) == 1 and " " not in segments[0]:
+        return {kind: value_of(segments[0]) for kind in KIND_LABELS}
+    stated = {}
+    for segment in segments:
+        text, _, label = segment.partition(" ")
+        if label not in kind_of_label:
+            return {"unreadable": segment}
+        stated[kind_of_label[label]] = value_of(text)
+    return stated
+
+
+def help_default_problems(parser):
+    """Every flag of ENV_DEFAULTS whose --help does not state exactly the table's values."""
+    helps = rendered_help(parser)
+    problems = []
+    for key in ENV_DEFAULTS["atari"]:
+        action = action_for(parser, key)
+        if action is None:
+            continue
+        option = action.option_strings[0]
+        stated = stated_defaults(helps[option], action)
+        wanted = {kind: ENV_DEFAULTS[kind][key] for kind in KIND_LABELS}
+        if stated != wanted:
+            problems.append(f"{option}: help says {stated}, ENV_DEFAULTS has {wanted}")
+    return problems
+
+
+@pytest.fixture(autouse=True)
+def fixed_help_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+
+
+def test_every_env_default_is_a_flag_of_the_learners():
+    parser = common_parser()
+    for kind in ENV_DEFAULTS:
+        missing = [key for key in ENV_DEFAULTS[kind] if action_for(parser, key) is None]
+        assert not missing, f"ENV_DEFAULTS[{kind!r}] has keys that no flag declares: {missing}"
+        assert all(action_for(parser, key).default is None for key in ENV_DEFAULTS[kind])
+
+
+def test_env_defaults_cover_every_kind_with_the_same_keys():
+    assert list(ENV_DEFAULTS) == list(KIND_LABELS)
+    keys = [sorted(table) for table in ENV_DEFAULTS.values()]
+    assert all(k == keys[0] for k in keys), keys
+
+
+@pytest.mark.parametrize("make_parser", [common_parser, polybeast_env.make_parser],
+                         ids=["add_common_flags", "polybeast_env"])
+def test_help_states_the_env_defaults_table(make_parser):
+    parser = make_parser()
+    assert help_default_problems(parser) == []
+    if make_parser is common_parser:
+        helps = rendered_help(parser)
+        # Spot checks of the reader itself, against the values the issue named.
+        assert "(default: 80 Atari, 20 other images, 80 vector)" in helps["--unroll_length"]
+        assert "0.0006 Atari, 0.01 other images, 0.005 vector" in helps["--entropy_cost"]
+
+
+def test_a_stale_hand_written_help_string_is_caught():
+    """The help strings this file replaced: they named two kinds and the old vector values."""
+    parser = argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter)
+    parser.add_argument("--unroll_length", type=int, default=None,
+                        help="Steps T per rollout (default: 80 Atari, 20 vector).")
+    parser.add_argument("--entropy_cost", type=float, default=None,
+                        help="Entropy cost (default: 0.0006 Atari, 0.01 vector).")
+    parser.add_argument("--hidden_size", type=int, default=None,
+                        help="Width of the MLP's hidden layers (default: 64).")
+    problems = help_default_problems(parser)
+    assert len(problems) == 3, problems
+
+
+def test_describe_defaults():
+    table = {"atari": {"n": 4}, "image": {"n": 32}, "vector": {"n": 32}}
+    assert beast_flags.describe_defaults(table, "n") == "4 Atari, 32 other images, 32 vector"
+    assert beast_flags.describe_defaults({"atari": 4, "image": 32, "vector": 32}) == \
+        "4 Atari, 32 other images, 32 vector"
+    assert beast_flags.describe_defaults({k: 1_500_000 for k in KIND_LABELS}) == "1,500,000"
+    assert beast_flags.describe_defaults({k: 5e-05 for k in KIND_LABELS}) == "5e-05"
+    assert beast_flags.describe_defaults({k: True for k in KIND_LABELS}) == "on"
+    with pytest.raises(ValueError, match="vector"):
+        beast_flags.describe_defaults({"atari": 4, "image": 32})
+    with pytest.raises(ValueError, match="'n' for image"):
+        beast_flags.describe_defaults({"atari": {"n": 4}, "image": {}, "vector": {"n": 1}}, "n")
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_env_defaults.
+
+
+def other_value(action, value):
+    """A valid value of this flag that differs from `value` (which may be None)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not value
+    if action.choices:
+        return next(c for c in action.choices if c != value)
+    if action.type is int:
+        return 7 if value is None else value + 1
+    if action.type is float:
+        return -0.5 if value is None else value * 2 + 0.125  # negative: "--x=-0.5" must parse
+    if action.type in (str, None):
+        return "-odd/Id-v0" if value is None else value + "x"
+    raise AssertionError(f"no other value for {action.option_strings[0]}: teach other_value")
+
+
+def as_argv(action, value):
+    option = action.option_strings[0]
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [option if value else action.option_strings[1]]
+    return [f"{option}={value}"]
+
+
+@pytest.mark.parametrize("kind", list(KIND_LABELS))
+def test_apply_env_defaults_fills_every_none_flag(kind):
+    flags = common_parser().parse_args([])
+    assert beast_flags.apply_env_defaults(flags, {"kind": kind}) is flags
+    for key, value in ENV_DEFAULTS[kind].items():
+        assert getattr(flags, key) == value and type(getattr(flags, key)) is type(value), key
+
+
+@pytest.mark.parametrize("kind", list(KIND_LABELS))
+def test_apply_env_defaults_never_overrides_a_given_flag(kind):
+    parser = common_parser()
+    given = {key: other_value(action_for(parser, key), value)
+             for key, value in ENV_DEFAULTS[kind].items()}
+    argv = [arg for key, value in given.items() for arg in as_argv(action_for(parser, key), value)]
+    flags = parser.parse_args(argv)
+    beast_flags.apply_env_defaults(flags, {"kind": kind})
+    assert {key: getattr(flags, key) for key in given} == given
+
+
+def test_apply_env_defaults_rejects_an_unknown_kind_and_honours_names():
+    flags = common_parser().parse_args([])
+    with pytest.raises(ValueError, match="unknown environment kind 'pixels'"):
+        beast_flags.apply_env_defaults(flags, {"kind": "pixels"})
+    beast_flags.apply_env_defaults(flags, {"kind": "atari"}, names=beast_flags.env_flag_names())
+    assert flags.episodic_life is ENV_DEFAULTS["atari"]["episodic_life"]
+    assert flags.unroll_length is None and flags.model is None
+    # A script's own table of the same shape.
+    flags.envs_per_actor = None
+    beast_flags.apply_env_defaults(flags, {"kind": "image"},
+                                   table={"atari": {"envs_per_actor": 4},
+                                          "image": {"envs_per_actor": 32},
+                                          "vector": {"envs_per_actor": 16}})
+    assert flags.envs_per_actor == 32
+
+
+def test_image_default_model_fits_small_and_large_frames():
+    """ENV_DEFAULTS["image"] names the ResNet because the Atari net cannot take MinAtar's frames."""
+    from beast import models
+
+    model_flags = argparse.Namespace(model=ENV_DEFAULTS["image"]["model"], use_lstm=False,
+                                     hidden_size=ENV_DEFAULTS["image"]["hidden_size"])
+    for shape in [(4, 10, 10), (6, 10, 10), (4, 84, 84)]:
+        models.create_model(model_flags, shape, num_actions=3)
+    with pytest.raises(ValueError):
+        models.create_model(argparse.Namespace(model="atari", use_lstm=False), (4, 10, 10), 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment flags, shared with polybeast_env.
+
+
+def test_env_flags_are_declared_once_for_learners_and_env_servers():
+    def described(parser):
+        return [(a.option_strings, a.dest, a.default, a.type, a.choices, a.help, type(a))
+                for a in env_actions(parser)]
+
+    assert [a.dest for a in env_actions(common_parser())] == beast_flags.env_flag_names()
+    assert set(beast_flags.env_flag_names()) >= {
+        "env", "env_backend", "episodic_life", "repeat_action_probability"}
+    assert described(common_parser()) == described(env_parser())
+    assert described(polybeast_env.make_parser()) == described(env_parser())
+    for own in ("seed", "envs_per_stream", "num_servers", "pipes_basename", "address",
+                "exit_with_parent"):
+        assert action_for(polybeast_env.make_parser(), own) is not None, own
+
+
+@pytest.mark.parametrize("episodic_life", [True, False])
+def test_env_flag_args_round_trips(episodic_life):
+    learner_flags = common_parser().parse_args([])
+    for action in env_actions(env_parser()):
+        setattr(learner_flags, action.dest, other_value(action, action.default))
+    learner_flags.episodic_life = episodic_life
+    args = beast_flags.env_flag_args(learner_flags)
+    wanted = {name: getattr(learner_flags, name) for name in beast_flags.env_flag_names()}
+    for parser in (env_parser(), polybeast_env.make_parser()):
+        parsed = parser.parse_args(args)
+        assert {name: getattr(parsed, name) for name in wanted} == wanted, args
+
+
+def test_env_flag_args_of_the_defaults_round_trips():
+    flags = common_parser().parse_args([])
+    args = beast_flags.env_flag_args(flags)
+    assert "--repeat_action_probability" not in " ".join(args)  # None: left to the parser
+    parsed = env_parser().parse_args(args)
+    assert vars(parsed) == {name: getattr(flags, name) for name in beast_flags.env_flag_names()}
+    flags.env = None
+    with pytest.raises(ValueError, match="--env"):
+        beast_flags.env_flag_args(flags)
+
+
+def test_repeat_action_probability_is_checked():
+    flags = common_parser().parse_args(["--repeat_action_probability", "1.5"])
+    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
+    with pytest.raises(beast_flags.FlagError, match=r"--repeat_action_probability must lie"):
+        beast_flags.validate_flags(flags)
+    flags.repeat_action_probability = 0.0
+    beast_flags.validate_flags(flags)
+
+
+def test_polybeast_env_reports_every_bad_flag_at_once():
+    with pytest.raises(SystemExit) as exit_info:
+        polybeast_env.main(["--envs_per_stream", "0", "--repeat_action_probability", "-1",
+                            "--address", "nohost"])
+    message = str(exit_info.value.code)
+    for flag in ("--envs_per_stream", "--repeat_action_probability", "nohost"):
+        assert flag in message, message
+    with pytest.raises(SystemExit, match="--num_servers must be at least 1"):
+        polybeast_env.main(["--num_servers", "0"])
+
+
+def test_polybeast_env_fills_episodic_life_from_the_env_kind():
+    flags = polybeast_env.make_parser().parse_args(["--env", "CartPole-v1"])
+    assert flags.episodic_life is None
+    polybeast_env.resolve_env_flags(flags)
+    assert flags.episodic_life is ENV_DEFAULTS["vector"]["episodic_life"]
+    assert flags.repeat_action_probability is None  # the id's own value: no table entry
+    flags = polybeast_env.make_parser().parse_args(["--env", "CartPole-v1", "--episodic_life"])
+    assert polybeast_env.resolve_env_flags(flags).episodic_life is True
+
+
+def test_polybeast_env_serves_atari_standalone(tmp_path):
+    """python -m polybeast_env --env ALE/Pong-v5, without a learner's flags."""
+    socket = tmp_path / "pb.0"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "polybeast_env", "--env", "ALE/Pong-v5", "--num_servers", "1",
+         "--pipes_basename", f"unix:{tmp_path}/pb"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not socket.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert socket.exists(), "no socket; polybeast_env said: " + (
+            process.communicate(timeout=JOIN_TIMEOUT_S)[1] if process.poll() is not None else "")
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=JOIN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=JOIN_TIMEOUT_S)
+    assert process.returncode == 0, err
+    assert "serving ALE/Pong-v5" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Addresses.
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("localhost:4000", ("localhost", 4000)),
+    ("tcp:10.0.0.2:4001", ("10.0.0.2", 4001)),
+    ("[::1]:5", ("[::1]", 5)),
+    ("tcp:[fe80::1]:65535", ("[fe80::1]", 65535)),
+])
+def test_split_host_port(address, expected):
+    assert beast_flags.split_host_port(address) == expected
+
+
+@pytest.mark.parametrize("address", [
+    "nohost", "host:", ":4000", "host:port", "host:-1", "host:65536", "unix:/tmp/x", "tcp:", "",
+])
+def test_split_host_port_rejects(address):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        beast_flags.split_host_port(address)
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("unix:/tmp/x", True), ("localhost:4000", True), ("127.0.0.1:4000", True),
+    ("127.8.9.1:4000", True), ("[::1]:4000", True), ("tcp:127.0.0.1:4000", True),
+    ("0.0.0.0:4000", False), ("tcp:10.0.0.2:4000", False), ("example.com:80", False),
+])
+def test_is_loopback(address, loopback):
+    assert beast_flags.is_loopback(address) is loopback
+
+
+def test_is_loopback_rejects_a_bad_address():
+    with pytest.raises(ValueError):
+        beast_flags.is_loopback("nohost")
+
+
+def test_parse_address_list():
+    assert beast_flags.parse_address_list(
+        " unix:/tmp/a.0, localhost:4000,tcp:10.0.0.2:4001,[::1]:9 ,") == [
+        "unix:/tmp/a.0", "localhost:4000", "10.0.0.2:4001", "[::1]:9"]
+    assert beast_flags.parse_address_list("unix:/tmp/a") == ["unix:/tmp/a"]
+
+
+@pytest.mark.parametrize("text, named", [
+    ("unix:/tmp/a,nohost", "'nohost'"),
+    ("localhost:4000,localhost:x", "'localhost:x'"),
+    ("unix:", "'unix:'"),
+    ("/tmp/socket", "'/tmp/socket'"),
+    ("", "no address"),
+    (" , ,", "no address"),
+])
+def test_parse_address_list_names_the_bad_entry(text, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        beast_flags.parse_address_list(text)
