@@ -180,90 +180,96 @@ def env_flag_problems(flags):
 
 
 def add_common_flags(parser):
-    """Adds every flag that both variants understand to `parser`."""
+    """Adds every flag that both variants understand to `parser`, in groups."""
     add_env_flags(parser)
-    # Run.
-    parser.add_argument("--mode", default="train", choices=["train", "test"],
-                        help="Train a model, or load the run's checkpoint and "
-                             "play --test_episodes episodes.")
-    parser.add_argument("--xpid", default=None,
-                        help="Experiment id; a run with an existing id resumes "
-                             "from its checkpoint (default: a new time stamp).")
-    parser.add_argument("--savedir", default="~/logs/beast",
-                        help="Root directory; a run writes to savedir/xpid/.")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="Seed for the model, the environments and sampling.")
-
-    # Training length and sizes.
-    parser.add_argument("--total_steps", type=int, default=None,
-                        help="Environment steps to train for "
-                             f"(default: {_env_default('total_steps')}).")
-    parser.add_argument("--batch_size", type=int, default=None,
-                        help="Rollouts per learner batch "
-                             f"(default: {_env_default('batch_size')}).")
-    parser.add_argument("--unroll_length", type=int, default=None,
-                        help=f"Steps T per rollout (default: {_env_default('unroll_length')}).")
-    parser.add_argument("--num_learner_threads", type=int, default=1,
-                        help="Learner threads that take batches and update the model.")
-    parser.add_argument("--disable_cuda", action="store_true",
-                        help="Train on the CPU even when a GPU is present.")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                        help="Learner forward pass precision (V-trace and losses stay fp32).")
-    parser.add_argument("--num_torch_threads", type=int, default=None,
-                        help="Intra-op threads of the learner process (default: all "
-                             "cores; PolyBeast with local servers: cores - num_actors, "
-                             "at least 1).")
-
-    # Model.
-    parser.add_argument("--model", default=None, choices=["atari", "resnet", "mlp"],
-                        help="Network: TorchBeast's Atari net, the IMPALA ResNet, "
-                             f"or an MLP (default: {_env_default('model')}).")
-    parser.add_argument("--use_lstm", action="store_true",
-                        help="Add an LSTM core to the model.")
-    parser.add_argument("--hidden_size", type=int, default=None,
-                        help="Width of the MLP's hidden layers "
-                             f"(default: {_env_default('hidden_size')}).")
-
-    # Loss.
-    parser.add_argument("--entropy_cost", type=float, default=None,
-                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
-    parser.add_argument("--baseline_cost", type=float, default=0.5,
-                        help="Baseline (value) cost.")
-    parser.add_argument("--discounting", type=float, default=0.99,
-                        help="Discount factor.")
-    parser.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
-                        help="Clip rewards to [-1, 1] for learning "
-                             f"(default: {_env_default('reward_clipping')}).")
-
-    # Optimizer (RMSprop, as in TorchBeast).
-    parser.add_argument("--learning_rate", type=float, default=None,
-                        help="Initial learning rate, decayed linearly to 0 at total_steps "
-                             f"(default: {_env_default('learning_rate')}).")
-    parser.add_argument("--alpha", type=float, default=0.99,
-                        help="RMSprop smoothing constant.")
-    parser.add_argument("--momentum", type=float, default=0.0,
-                        help="RMSprop momentum.")
-    parser.add_argument("--epsilon", type=float, default=0.01,
-                        help="RMSprop epsilon.")
-    parser.add_argument("--grad_norm_clipping", type=float, default=40.0,
-                        help="Clip the global gradient norm to this value.")
-
-    # Logging, checkpoints, evaluation.
-    parser.add_argument("--log_interval_steps", type=int, default=10_000,
-                        help="Write a row of logs.csv every this many environment steps.")
-    parser.add_argument("--checkpoint_interval_s", type=float, default=600.0,
-                        help="Write a checkpoint every this many seconds "
-                             "(and always at the end of a run).")
-    parser.add_argument("--eval_interval_steps", type=int, default=0,
-                        help="Evaluate the current policy every this many steps on "
-                             "separate environments (0: never).")
-    parser.add_argument("--eval_episodes", type=int, default=5,
-                        help="Episodes per offline evaluation.")
-    parser.add_argument("--test_episodes", type=int, default=10,
-                        help="Episodes to play in --mode test.")
-    parser.add_argument("--no_progress", action="store_true",
-                        help="Do not draw the status line.")
+    _add_run_flags(parser.add_argument_group("run"))
+    _add_learner_flags(parser.add_argument_group("learner"))
+    _add_loss_flags(parser.add_argument_group("model, loss and optimizer"))
+    _add_logging_flags(parser.add_argument_group("logging, checkpoints, evaluation"))
     return parser
+
+
+def _add_run_flags(group):
+    group.add_argument("--mode", default="train", choices=["train", "test"],
+                       help="Train a model, or load the run's checkpoint and "
+                            "play --test_episodes episodes.")
+    group.add_argument("--xpid", default=None,
+                       help="Experiment id; a run with an existing id resumes "
+                            "from its checkpoint (default: a new time stamp).")
+    group.add_argument("--savedir", default="~/logs/beast",
+                       help="Root directory; a run writes to savedir/xpid/.")
+    group.add_argument("--seed", type=int, default=0,
+                       help="Seed for the model, the environments and sampling.")
+
+
+def _add_learner_flags(group):
+    group.add_argument("--total_steps", type=int, default=None,
+                       help="Environment steps to train for "
+                            f"(default: {_env_default('total_steps')}).")
+    group.add_argument("--batch_size", type=int, default=None,
+                       help="Rollouts per learner batch "
+                            f"(default: {_env_default('batch_size')}).")
+    group.add_argument("--unroll_length", type=int, default=None,
+                       help=f"Steps T per rollout (default: {_env_default('unroll_length')}).")
+    group.add_argument("--num_learner_threads", type=int, default=1,
+                       help="Learner threads that take batches and update the model.")
+    group.add_argument("--disable_cuda", action="store_true",
+                       help="Train on the CPU even when a GPU is present.")
+    group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                       help="Learner forward pass precision (V-trace and losses stay fp32).")
+    group.add_argument("--num_torch_threads", type=int, default=None,
+                       help="Intra-op threads of the learner process (default: all "
+                            "cores; PolyBeast with local servers: cores - num_actors, "
+                            "at least 1).")
+
+
+def _add_loss_flags(group):
+    group.add_argument("--model", default=None, choices=["atari", "resnet", "mlp"],
+                       help="Network: TorchBeast's Atari net, the IMPALA ResNet, "
+                            f"or an MLP (default: {_env_default('model')}).")
+    group.add_argument("--use_lstm", action="store_true",
+                       help="Add an LSTM core to the model.")
+    group.add_argument("--hidden_size", type=int, default=None,
+                       help="Width of the MLP's hidden layers "
+                            f"(default: {_env_default('hidden_size')}).")
+    group.add_argument("--entropy_cost", type=float, default=None,
+                       help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
+    group.add_argument("--baseline_cost", type=float, default=0.5,
+                       help="Baseline (value) cost.")
+    group.add_argument("--discounting", type=float, default=0.99,
+                       help="Discount factor.")
+    group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
+                       help="Clip rewards to [-1, 1] for learning "
+                            f"(default: {_env_default('reward_clipping')}).")
+    # RMSprop, as in TorchBeast.
+    group.add_argument("--learning_rate", type=float, default=None,
+                       help="Initial learning rate, decayed linearly to 0 at total_steps "
+                            f"(default: {_env_default('learning_rate')}).")
+    group.add_argument("--alpha", type=float, default=0.99,
+                       help="RMSprop smoothing constant.")
+    group.add_argument("--momentum", type=float, default=0.0,
+                       help="RMSprop momentum.")
+    group.add_argument("--epsilon", type=float, default=0.01,
+                       help="RMSprop epsilon.")
+    group.add_argument("--grad_norm_clipping", type=float, default=40.0,
+                       help="Clip the global gradient norm to this value.")
+
+
+def _add_logging_flags(group):
+    group.add_argument("--log_interval_steps", type=int, default=10_000,
+                       help="Write a row of logs.csv every this many environment steps.")
+    group.add_argument("--checkpoint_interval_s", type=float, default=600.0,
+                       help="Write a checkpoint every this many seconds "
+                            "(and always at the end of a run).")
+    group.add_argument("--eval_interval_steps", type=int, default=0,
+                       help="Evaluate the current policy every this many steps on "
+                            "separate environments (0: never).")
+    group.add_argument("--eval_episodes", type=int, default=5,
+                       help="Episodes per offline evaluation.")
+    group.add_argument("--test_episodes", type=int, default=10,
+                       help="Episodes to play in --mode test.")
+    group.add_argument("--no_progress", action="store_true",
+                       help="Do not draw the status line.")
 
 
 def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):

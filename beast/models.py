@@ -127,30 +127,8 @@ class ActorCritic(nn.Module):
         if self.core is None:
             core_output = core_input
         else:
-            if not core_state:
-                core_state = self.initial_state(B, device=frame.device)
-            core_input = core_input.view(T, B, -1)
-            done = inputs["done"]
-            notdone = torch.logical_not(done).float()
-            # The state of an environment whose episode starts at step t is
-            # zeroed before step t, so that no memory crosses an episode
-            # boundary. That is the same as stepping the LSTM one step at a
-            # time with the reset before each step; but one LSTM call per step
-            # costs ~8x more than one call over many steps (CPU, T=81), so we
-            # call it once per stretch of steps in which no environment of
-            # the batch starts an episode. Finding the stretches reads `done`
-            # on the host: one device sync per forward on GPU, skipped at T=1.
-            if T == 1:
-                starts = [0]
-            else:
-                starts = [0] + (done[1:].any(dim=1).nonzero().flatten() + 1).tolist()
-            core_outputs = []
-            for start, end in zip(starts, starts[1:] + [T]):
-                mask = notdone[start].view(1, B, 1)
-                core_state = tuple(mask * s for s in core_state)
-                output, core_state = self.core(core_input[start:end], core_state)
-                core_outputs.append(output)
-            core_output = torch.cat(core_outputs).flatten(0, 1)
+            core_output, core_state = self._run_core(core_input.view(T, B, -1),
+                                                     inputs["done"], core_state)
 
         policy_logits = self.policy(core_output)
         baseline = self.baseline(core_output)
@@ -166,6 +144,34 @@ class ActorCritic(nn.Module):
             action=action.view(T, B),
         )
         return outputs, core_state
+
+
+    def _run_core(self, core_input, done, core_state):
+        """The LSTM over [T, B, F] inputs; returns (outputs [T*B, F], state after T-1).
+
+        The state of an environment whose episode starts at step t is zeroed
+        before step t, so that no memory crosses an episode boundary. That is the
+        same as stepping the LSTM one step at a time with the reset before each
+        step; but one LSTM call per step costs several times more than one call
+        over many steps, so we call it once per stretch of steps in which no
+        environment of the batch starts an episode. Finding the stretches reads
+        `done` on the host: one device sync per forward on GPU, skipped at T=1.
+        """
+        T, B = done.shape
+        if not core_state:
+            core_state = self.initial_state(B, device=core_input.device)
+        notdone = torch.logical_not(done).float()
+        if T == 1:
+            starts = [0]
+        else:
+            starts = [0] + (done[1:].any(dim=1).nonzero().flatten() + 1).tolist()
+        core_outputs = []
+        for start, end in zip(starts, starts[1:] + [T]):
+            mask = notdone[start].view(1, B, 1)
+            core_state = tuple(mask * s for s in core_state)
+            output, core_state = self.core(core_input[start:end], core_state)
+            core_outputs.append(output)
+        return torch.cat(core_outputs).flatten(0, 1), core_state
 
 
 class AtariNet(ActorCritic):

@@ -155,11 +155,7 @@ def run_training(workload, log_interval_steps, duration_s, workdir, warmup_fract
     Returns a RunResult.
     """
     xpid = workload.key
-    command = [sys.executable, "-m", workload.variant, "--env", workload.env, *workload.args,
-               "--savedir", workdir, "--xpid", xpid, "--no_progress",
-               "--total_steps", str(HUGE_TOTAL_STEPS),
-               "--log_interval_steps", str(log_interval_steps),
-               "--checkpoint_interval_s", "1e9"]
+    command = training_command(workload, log_interval_steps, workdir)
     out_path = os.path.join(workdir, f"{xpid}.out")
     logs_path = os.path.join(workdir, xpid, "logs.csv")
     result = RunResult(ok=False)
@@ -171,42 +167,90 @@ def run_training(workload, log_interval_steps, duration_s, workdir, warmup_fract
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
-            first_row = None
-            while True:
-                code = process.poll()
-                if code is not None:
-                    what = "before its first log row" if first_row is None else "during the run"
-                    result.reason = (f"exited with status {code} {what}; output tail:\n"
-                                     + _tail(out_path))
-                    return result
-                now = time.monotonic()
-                if first_row is None:
-                    if _log_rows(logs_path) >= 1:
-                        first_row = now
-                        result.startup_s = now - launch
-                        if while_running is not None:
-                            while_running(process.pid)
-                    elif now - launch > startup_timeout_s:
-                        result.reason = (f"no log row within {startup_timeout_s:g} s; output tail:\n"
-                                         + _tail(out_path))
-                        return result
-                elif now - first_row >= duration_s:
-                    break
-                time.sleep(0.25)
-            result.load1 = load_average()
-            stop = time.monotonic()
-            process.send_signal(signal.SIGTERM)
-            try:
-                result.exit_code = process.wait(stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                result.notes.append(f"did not exit within {stop_timeout_s:g} s of SIGTERM; killed")
-            result.stop_s = time.monotonic() - stop
+            first_row = _wait_for_first_row(process, result, launch, logs_path, out_path,
+                                            startup_timeout_s)
+            if first_row is None:
+                return result
+            if while_running is not None:
+                while_running(process.pid)
+            if not _train_until(process, result, first_row + duration_s, out_path):
+                return result
+            _stop(process, result, stop_timeout_s)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+    return _time_windows(result, logs_path, warmup_fraction, num_windows)
+
+
+def training_command(workload, log_interval_steps, workdir):
+    """The command line of the run: checkpoints only at the end, never done on its own."""
+    return [sys.executable, "-m", workload.variant, "--env", workload.env, *workload.args,
+            "--savedir", workdir, "--xpid", workload.key, "--no_progress",
+            "--total_steps", str(HUGE_TOTAL_STEPS),
+            "--log_interval_steps", str(log_interval_steps),
+            "--checkpoint_interval_s", "1e9"]
+
+
+def _exited(process, result, out_path, when):
+    """Whether the run has exited; if so, result.reason says so with its output's tail."""
+    code = process.poll()
+    if code is None:
+        return False
+    result.reason = f"exited with status {code} {when}; output tail:\n" + _tail(out_path)
+    return True
+
+
+def _wait_for_first_row(process, result, launch, logs_path, out_path, startup_timeout_s):
+    """Polls until logs.csv has a row, i.e. the first learner step is done.
+
+    Returns the time of that poll (time.monotonic()), or None with result.reason
+    set if the run exits or startup_timeout_s passes first.
+    """
+    while True:
+        if _exited(process, result, out_path, "before its first log row"):
+            return None
+        now = time.monotonic()
+        if _log_rows(logs_path) >= 1:
+            result.startup_s = now - launch
+            return now
+        if now - launch > startup_timeout_s:
+            result.reason = (f"no log row within {startup_timeout_s:g} s; output tail:\n"
+                             + _tail(out_path))
+            return None
+        time.sleep(0.25)
+
+
+def _train_until(process, result, deadline, out_path):
+    """Lets the run train until `deadline` (time.monotonic()); False, with
+    result.reason set, if it exits before."""
+    while True:
+        time.sleep(0.25)
+        if _exited(process, result, out_path, "during the run"):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+
+
+def _stop(process, result, stop_timeout_s):
+    """SIGTERM, upon which the run checkpoints and exits; records how that went.
+
+    A run still there after stop_timeout_s is left to the caller to kill.
+    """
+    result.load1 = load_average()
+    stop = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        result.exit_code = process.wait(stop_timeout_s)
+    except subprocess.TimeoutExpired:
+        result.notes.append(f"did not exit within {stop_timeout_s:g} s of SIGTERM; killed")
+    result.stop_s = time.monotonic() - stop
     if result.exit_code not in (0, None):
         result.notes.append(f"exit status {result.exit_code} after SIGTERM")
+
+
+def _time_windows(result, logs_path, warmup_fraction, num_windows):
+    """Fills result's windows from the finished run's logs.csv; ok if there is one."""
     rows = runlog.read_logs(logs_path)
     result.rows = len(rows)
     result.windows, result.kept_sps = sps_windows(rows, warmup_fraction, num_windows)

@@ -389,6 +389,12 @@ def section_e2e(report, args, resolved, bounds, cores, workdir):
 
 
 def section_profile(report, args, workdir, resolved, e2e_results, bounds, cores):
+    section_profile_monobeast(report, args, e2e_results, cores)
+    section_profile_polybeast(report, args, workdir, resolved, bounds)
+
+
+def section_profile_monobeast(report, args, e2e_results, cores):
+    """4a: MonoBeast's parts timed in this process, beside the end-to-end mono-null cost."""
     budget_s = 1.5 if args.quick else 5.0
     log("profile: MonoBeast's parts on Null-v0, in this process")
     rows, ctx = nullprofile.profile_monobeast(NULL_MODEL_ARGS, budget_s)
@@ -418,7 +424,9 @@ def section_profile(report, args, workdir, resolved, e2e_results, bounds, cores)
         "perf_counter wrappers. Costs are per env step; the learner's per step = per learner "
         "step / (T*B).")
 
-    # PolyBeast with py-spy (optional).
+
+def section_profile_polybeast(report, args, workdir, resolved, bounds):
+    """4b: py-spy on a separate poly-null run. Optional: without PolyBeast or py-spy, a note."""
     poly = next((w for w in resolved if not isinstance(w, tuple) and w.key == "poly-null"), None)
     if poly is None:
         report.note("py-spy profile of PolyBeast skipped: PolyBeast could not be set up "
@@ -429,17 +437,7 @@ def section_profile(report, args, workdir, resolved, e2e_results, bounds, cores)
         return
     seconds, rate = (4, 100) if args.quick else (10, 100)
     spy_path = os.path.join(workdir, "pyspy-poly-null.txt")
-    spy = {}
-
-    def record(pid):
-        log(f"profile: py-spy record on PolyBeast (pid {pid}) for {seconds} s")
-        spy["status"], spy["output"] = nullprofile.pyspy_record(pid, seconds, rate, spy_path)
-
-    interval = log_interval_for(poly, bounds.get(poly.key), args.rows_per_second)
-    spy_workload = endtoend.Workload("pyspy-poly-null", poly.variant, poly.env, poly.label,
-                                     poly.args)
-    r = endtoend.run_training(spy_workload, interval, seconds + 1, workdir, while_running=record,
-                              log=log)
+    spy, r = pyspy_polybeast(args, workdir, poly, bounds, seconds, rate, spy_path)
     if not spy or spy["status"] != 0 or not os.path.exists(spy_path):
         report.note(f"py-spy profile of PolyBeast failed: "
                     f"{spy.get('output') or r.reason or 'no output'}")
@@ -462,9 +460,66 @@ def section_profile(report, args, workdir, resolved, e2e_results, bounds, cores)
         "through Python calls that wait on them.")
 
 
+def pyspy_polybeast(args, workdir, poly, bounds, seconds, rate, spy_path):
+    """Runs `poly` again, py-spy recording it to spy_path from its first log row on.
+
+    Returns (spy, run result): spy holds py-spy's "status" and "output", and is
+    empty if the run never got to a first row.
+    """
+    spy = {}
+
+    def record(pid):
+        log(f"profile: py-spy record on PolyBeast (pid {pid}) for {seconds} s")
+        spy["status"], spy["output"] = nullprofile.pyspy_record(pid, seconds, rate, spy_path)
+
+    interval = log_interval_for(poly, bounds.get(poly.key), args.rows_per_second)
+    spy_workload = endtoend.Workload("pyspy-poly-null", poly.variant, poly.env, poly.label,
+                                     poly.args)
+    # One second more than py-spy records, so that the run outlives the recording.
+    r = endtoend.run_training(spy_workload, interval, seconds + 1, workdir, while_running=record,
+                              log=log)
+    return spy, r
+
+
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None):
+    args, selected, chosen, problems = parse_arguments(argv)
+    if problems:
+        print("error: " + "\n       ".join(problems), file=sys.stderr)
+        return 2
+
+    cores = len(os.sched_getaffinity(0))
+    started = time.monotonic()
+    report = Report()
+    header = machine_header(args, cores)
+    ceil = ceilings.Ceilings(quick=args.quick, log=log)
+    own_workdir = args.workdir is None
+    workdir = tempfile.mkdtemp(prefix="beast-bench-") if own_workdir else args.workdir
+    os.makedirs(workdir, exist_ok=True)
+    resolved = []
+    if any(s in selected for s in ("inference", "bound", "e2e", "profile")):
+        resolved = resolve_workloads(chosen)
+    try:
+        timings = run_sections(report, args, selected, ceil, resolved, cores, workdir)
+    finally:
+        if own_workdir and not args.keep_runs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif args.keep_runs or not own_workdir:
+            log(f"run directories kept in {workdir}")
+
+    markdown = render_report(header, report, started, timings)
+    print(markdown)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(markdown)
+        log(f"report written to {args.output}")
+    return 0
+
+
+def parse_arguments(argv):
+    """(args with --quick's defaults filled in, sections to run, workloads to run,
+    problems: a list of messages, empty if the arguments are usable)."""
     args = make_parser().parse_args(argv)
     if args.duration is None:
         args.duration = 15.0 if args.quick else 60.0
@@ -486,6 +541,12 @@ def main(argv=None):
         problems.append(f"unknown section or workload: {', '.join(unknown)}. Sections: "
                         f"{', '.join(SECTIONS)}; workloads: "
                         f"{', '.join(w.key for w in all_workloads)}.")
+    return args, selected, chosen, problems + number_problems(args)
+
+
+def number_problems(args):
+    """What is wrong with the numeric arguments (a list of messages)."""
+    problems = []
     if not args.duration > 0:
         problems.append(f"--duration must be positive (got {args.duration:g}).")
     if not 0 <= args.warmup_fraction < 1:
@@ -494,18 +555,25 @@ def main(argv=None):
         problems.append(f"--windows must be at least 1 (got {args.windows}).")
     if not args.rows_per_second > 0:
         problems.append(f"--rows_per_second must be positive (got {args.rows_per_second:g}).")
-    if problems:
-        print("error: " + "\n       ".join(problems), file=sys.stderr)
-        return 2
+    return problems
 
-    cores = len(os.sched_getaffinity(0))
-    started = time.monotonic()
-    report = Report()
-    header = machine_header(args, cores)
-    ceil = ceilings.Ceilings(quick=args.quick, log=log)
-    own_workdir = args.workdir is None
-    workdir = tempfile.mkdtemp(prefix="beast-bench-") if own_workdir else args.workdir
-    os.makedirs(workdir, exist_ok=True)
+
+def resolve_workloads(chosen):
+    """Flags of each end-to-end configuration; (workload, reason) for one that cannot
+    start (PolyBeast may not be ready: then its runs are skipped)."""
+    resolved = []
+    for w in chosen:
+        try:
+            resolved.append(endtoend.resolve(w))
+        except BaseException as e:  # ImportError of libpolybeast, SystemExit of argparse
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            resolved.append((w, f"cannot set it up: {type(e).__name__}: {e}"))
+    return resolved
+
+
+def run_sections(report, args, selected, ceil, resolved, cores, workdir):
+    """Runs the selected sections in order; returns how long each took ("<name> <n> s")."""
     timings = []
 
     def timed(name, fn, *fn_args):
@@ -522,44 +590,27 @@ def main(argv=None):
         finally:
             timings.append(f"{name} {time.monotonic() - start:.0f} s")
 
-    # Flags of each end-to-end configuration (PolyBeast may not be ready: then skip it).
-    resolved = []
-    if any(s in selected for s in ("inference", "bound", "e2e", "profile")):
-        for w in chosen:
-            try:
-                resolved.append(endtoend.resolve(w))
-            except BaseException as e:  # ImportError of libpolybeast, SystemExit of argparse
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                resolved.append((w, f"cannot set it up: {type(e).__name__}: {e}"))
     ready = [w for w in resolved if not isinstance(w, tuple)]
-    try:
-        timed("env", section_env, report, ceil, cores)
-        timed("learner", section_learner, report, ceil, cores)
-        needed = sorted({(w.net, w.inference_batch) for w in ready}, key=str)
-        timed("inference", section_inference, report, ceil, needed)
-        bounds = timed("bound", section_bound, report, ceil, ready, cores) or {}
-        e2e_results = timed("e2e", section_e2e, report, args, resolved, bounds, cores,
-                            workdir) or {}
-        timed("profile", section_profile, report, args, workdir, resolved, e2e_results, bounds,
-              cores)
-    finally:
-        if own_workdir and not args.keep_runs:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif args.keep_runs or not own_workdir:
-            log(f"run directories kept in {workdir}")
+    timed("env", section_env, report, ceil, cores)
+    timed("learner", section_learner, report, ceil, cores)
+    needed = sorted({(w.net, w.inference_batch) for w in ready}, key=str)
+    timed("inference", section_inference, report, ceil, needed)
+    bounds = timed("bound", section_bound, report, ceil, ready, cores) or {}
+    e2e_results = timed("e2e", section_e2e, report, args, resolved, bounds, cores,
+                        workdir) or {}
+    timed("profile", section_profile, report, args, workdir, resolved, e2e_results, bounds,
+          cores)
+    return timings
 
-    header.append(f"- load at end (uptime): {uptime()}")
-    header.append(f"- bench wall time: {time.monotonic() - started:.0f} s "
-                  f"({', '.join(timings)})")
+
+def render_report(header, report, started, timings):
+    """The markdown report: the machine header, with the end's load and the wall
+    times, then the sections and the notes."""
+    header = header + [f"- load at end (uptime): {uptime()}",
+                       f"- bench wall time: {time.monotonic() - started:.0f} s "
+                       f"({', '.join(timings)})"]
     text = ["# Beast throughput benchmark", ""] + header + [""]
     text.append("\n\n".join(report.parts))
     if report.notes:
         text += ["", "## Notes", ""] + [f"- {n}" for n in report.notes]
-    markdown = "\n".join(text) + "\n"
-    print(markdown)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(markdown)
-        log(f"report written to {args.output}")
-    return 0
+    return "\n".join(text) + "\n"

@@ -7,17 +7,23 @@
 //
 // Each step is the dict env_outputs + agent_outputs with arrays of shape
 // [1, N, ...] ([T=1, B=N, ...]) for a stream of N environments (N=1 unless
-// the server sends Step.batch); a rollout stacks unroll_length + 1 of them
-// along dim 0 into [T+1, N, ...] and goes to the learner queue as N rollouts
-// [T+1, 1, ...]. Its last step is step 0 of the next rollout
-// (the overlap that the bootstrap needs), and initial_agent_state is the agent
-// state before step 0.
+// the server sends Step.batch). env_outputs holds whatever named arrays the
+// server sends, without knowing their names (Step.batch's entries, or Step's
+// fixed fields + Step.extras + last_action), and must include every name in
+// env_keys. A rollout stacks unroll_length + 1 steps along dim 0 into
+// [T+1, N, ...] and goes to the learner queue as N rollouts [T+1, 1, ...].
+// Its last step is step 0 of the next rollout (the overlap that the
+// bootstrap needs), and initial_agent_state is the agent state before step 0.
 //
 // A server that goes away is not an error: the actor logs one line, drops the
 // rollout in progress, reconnects (gRPC backoff, 100 ms doubling up to 2 s)
 // and starts over with a fresh agent state. Only a server unreachable for
-// connect_timeout_s, or a bad answer from inference, is fatal: the first such
-// error closes both queues (so every other thread ends) and run() rethrows it.
+// connect_timeout_s, a step without one of env_keys, or a bad answer from
+// inference, is fatal: the first such error closes both queues (so every
+// other thread ends) and run() rethrows it.
+//
+// Servers report their environment restarts in Step.env_errors (cumulative
+// per stream); env_errors() sums the increases over all streams.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -51,18 +57,22 @@ class ActorPool {
   ActorPool(int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
             std::shared_ptr<DynamicBatcher> inference_batcher,
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
-            double connect_timeout_s)
+            std::vector<std::string> env_keys, double connect_timeout_s)
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
         addresses_(std::move(env_server_addresses)),
         initial_agent_state_(std::move(initial_agent_state)),
+        env_keys_(std::move(env_keys)),
         connect_timeout_(std::chrono::duration<double>(connect_timeout_s)) {
     if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
     if (!learner_queue_ || !inference_batcher_) {
       throw std::invalid_argument("learner_queue and inference_batcher are required");
     }
     if (connect_timeout_s <= 0) throw std::invalid_argument("connect_timeout_s must be > 0");
+    for (const std::string& key : env_keys_) {
+      if (key.empty()) throw std::invalid_argument("env_keys must not contain an empty name");
+    }
   }
   // run() has joined every thread before the pool can be destroyed.
   ~ActorPool() { close(); }
@@ -118,6 +128,9 @@ class ActorPool {
 
   // Environment steps taken by all actors so far.
   int64_t count() const { return count_.load(); }
+
+  // Environment restarts after errors that the env servers reported so far.
+  int64_t env_errors() const { return env_errors_.load(); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -251,11 +264,18 @@ class ActorPool {
       Nest agent_state;
       int64_t num_envs = 0;  // environments on this stream, known from the first step
       int64_t last_action = 0;  // single-environment streams only
+      int64_t env_errors_seen = 0;  // this stream's Step.env_errors at the previous step
       std::vector<Nest> rollout;  // rollout[0] is the last step of the previous rollout
       Nest rollout_state;         // the agent state before rollout[0]
       while (true) {
+        // A new stream starts from 0, so its first value counts too.
+        if (step.env_errors() > env_errors_seen) {
+          env_errors_.fetch_add(step.env_errors() - env_errors_seen);
+        }
+        env_errors_seen = step.env_errors();
         const bool batched = step.has_batch();
         Nest env_outputs = batched ? batch_env_outputs(&step) : env_outputs_of(&step, last_action);
+        check_env_keys(env_outputs);
         int64_t n = batch_size(env_outputs, 1);
         if (num_envs == 0) {
           num_envs = n;
@@ -349,12 +369,6 @@ class ActorPool {
     if (batch.kind != Nest::Kind::kDict) {
       throw std::invalid_argument("Step.batch must be a dict of arrays");
     }
-    for (const char* key : {"frame", "reward", "done", "game_over", "episode_return",
-                            "episode_step", "last_action"}) {
-      if (!batch.fields.count(key)) {
-        throw std::invalid_argument(std::string("Step.batch lacks '") + key + "'");
-      }
-    }
     for (auto& [key, value] : batch.fields) {
       if (value.kind != Nest::Kind::kArray || value.array.shape.empty()) {
         throw std::invalid_argument("Step.batch entry '" + key +
@@ -365,14 +379,26 @@ class ActorPool {
     return batch;
   }
 
+  // Every step must carry the env keys of the run, and may carry more.
+  void check_env_keys(const Nest& env_outputs) const {
+    std::string missing;
+    for (const std::string& key : env_keys_) {
+      if (!env_outputs.fields.count(key)) missing += (missing.empty() ? "'" : ", '") + key + "'";
+    }
+    if (missing.empty()) return;
+    std::string sent;
+    for (const auto& [key, value] : env_outputs.fields) sent += (sent.empty() ? "" : ", ") + key;
+    throw std::invalid_argument("the env server sent a step without the env key(s) " + missing +
+                                " (it sent: " + sent + "); the environment side must return "
+                                "every one of env_keys");
+  }
+
   // The inference inputs for one step, each array [1, 1, ...] ([T=1, B=1]).
   // An array observation becomes "frame"; a dict observation is passed
-  // through key by key.
+  // through key by key; Step.extras' entries keep their names.
   static Nest env_outputs_of(rpcenv::Step* step, int64_t last_action) {
-    auto leading_ones = [](Nest n, const std::string& name) {
-      if (n.kind != Nest::Kind::kArray) {
-        throw std::invalid_argument("observation entry '" + name + "' must be an array");
-      }
+    auto leading_ones = [](Nest n, const std::string& what) {
+      if (n.kind != Nest::Kind::kArray) throw std::invalid_argument(what + " must be an array");
       n.array.shape.insert(n.array.shape.begin(), {1, 1});
       return n;
     };
@@ -381,9 +407,11 @@ class ActorPool {
     auto& f = out.fields;
     Nest observation = nest_from_proto(step->mutable_observation(), "observation");
     if (observation.kind == Nest::Kind::kArray) {
-      f["frame"] = leading_ones(std::move(observation), "frame");
+      f["frame"] = leading_ones(std::move(observation), "the observation");
     } else if (observation.kind == Nest::Kind::kDict) {
-      for (auto& [key, value] : observation.fields) f[key] = leading_ones(std::move(value), key);
+      for (auto& [key, value] : observation.fields) {
+        f[key] = leading_ones(std::move(value), "observation entry '" + key + "'");
+      }
     } else {
       throw std::invalid_argument("the observation must be an array or a dict of arrays");
     }
@@ -399,6 +427,20 @@ class ActorPool {
     put("episode_return", filled_array<float>(dtypes::kFloat32, step->episode_return(), one));
     put("episode_step", filled_array<int32_t>(dtypes::kInt32, step->episode_step(), one));
     put("last_action", filled_array<int64_t>(dtypes::kInt64, last_action, one));
+    if (step->has_extras()) {
+      rpcenv::ArrayNest* extras = step->mutable_extras();
+      if (extras->has_array() || extras->vector_size() > 0) {
+        throw std::invalid_argument("Step.extras must be a map of name -> array");
+      }
+      for (auto& [key, value] : *extras->mutable_map()) {
+        const std::string where = "Step.extras entry '" + key + "'";
+        if (f.count(key)) {
+          throw std::invalid_argument(where + " clashes with the step field of that name (a "
+                                      "fixed Step field or an observation entry)");
+        }
+        f[key] = leading_ones(nest_from_proto(&value, "extras['" + key + "']"), where);
+      }
+    }
     return out;
   }
 
@@ -407,9 +449,11 @@ class ActorPool {
   const std::shared_ptr<DynamicBatcher> inference_batcher_;
   const std::vector<std::string> addresses_;
   const Nest initial_agent_state_;
+  const std::vector<std::string> env_keys_;  // names every env step must carry
   const std::chrono::duration<double> connect_timeout_;
 
   std::atomic<int64_t> count_{0};
+  std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases
   std::atomic<bool> closed_{false};
   mutable std::mutex mu_;
   std::condition_variable all_done_;  // signalled when an actor thread ends

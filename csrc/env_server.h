@@ -8,10 +8,18 @@
 // initial(), then answers every Action with step(action). An adapter that
 // raises in step() is closed and replaced by a new one, whose initial step
 // goes out with done=True, so one bad episode does not end the stream.
+// Every Step carries env_errors, the restarts on this stream so far.
+//
+// A single-environment adapter's dict fills Step's fixed fields (frame ->
+// observation, reward, done, game_over, episode_return, episode_step; the
+// actor knows last_action) and every other key travels in Step.extras under
+// its own name, so a new environment-side rollout field needs no C++ change.
 //
 // An adapter with a `num_envs` attribute hosts a batch of environments (a
 // beast.vector_envs VectorEnv): its dicts of [N, ...] arrays travel as
-// Step.batch, and step() gets the int64 array of N actions.
+// Step.batch, whatever their names, and step() gets the int64 array of N
+// actions. Its own `restarts` attribute, if any (the environments it
+// restarted itself), adds to env_errors.
 //
 // gRPC threads take the GIL only around Python calls and drop every Python
 // object while holding it. Stop the server (stop() / leaving run()) before
@@ -21,8 +29,10 @@
 #include <grpcpp/grpcpp.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -30,6 +40,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "nest.h"
 #include "rpcenv.grpc.pb.h"
@@ -119,6 +130,8 @@ class EnvServer {
         fill(env_.attr("step")(a), step);
       } catch (const std::exception& e) {  // py::error_already_set included
         server_->log(std::string("the environment failed in step(), restarting it: ") + e.what());
+        // The replacement counts its own restarts from 0; keep the old ones.
+        restarts_ += 1 + adapter_restarts();
         close_env();
         env_ = server_->env_factory_();
         step->Clear();
@@ -143,23 +156,65 @@ class EnvServer {
       } else {
         fill_step(result, step);
       }
+      step->set_env_errors(restarts_ + adapter_restarts());
     }
 
-    // result: dict(frame, reward, done, game_over (optional), episode_return, episode_step).
+    // The environments a batched adapter restarted itself (GymnasiumVectorEnv
+    // keeps `restarts`); 0 for an adapter without the attribute.
+    int64_t adapter_restarts() const {  // GIL held
+      if (!batched_ || !env_ || !py::hasattr(env_, "restarts")) return 0;
+      try {
+        return py::cast<int64_t>(env_.attr("restarts"));
+      } catch (const py::cast_error&) {
+        throw std::invalid_argument("the adapter's `restarts` attribute must be an int");
+      }
+    }
+
+    // result: a dict with frame, reward, done, game_over (optional),
+    // episode_return and episode_step for Step's fixed fields; every other key
+    // but last_action goes into Step.extras, its value an array or a scalar.
     static void fill_step(py::handle result, rpcenv::Step* step) {
-      py::dict d = py::reinterpret_borrow<py::object>(result);
-      py::object frame = d["frame"];
-      nest_to_proto(nest_from_python(frame, "['frame']"), step->mutable_observation());
-      step->set_reward(py::cast<float>(d["reward"]));
-      step->set_done(py::cast<bool>(d["done"]));
+      if (!py::isinstance<py::dict>(result)) {
+        std::string type_name = py::str(py::type::handle_of(result).attr("__name__"));
+        throw std::invalid_argument("initial() and step() must return a dict, got a " + type_name);
+      }
+      py::dict d = py::reinterpret_borrow<py::dict>(result);
+      auto get = [&d](const char* key) -> py::object {
+        if (!d.contains(key)) {
+          throw std::invalid_argument(std::string("the adapter's step dict lacks '") + key + "'");
+        }
+        return d[key];
+      };
+      nest_to_proto(nest_from_python(get("frame"), "['frame']"), step->mutable_observation());
+      step->set_reward(py::cast<float>(get("reward")));
+      step->set_done(py::cast<bool>(get("done")));
       if (d.contains("game_over")) step->set_game_over(py::cast<bool>(d["game_over"]));
-      step->set_episode_return(py::cast<float>(d["episode_return"]));
-      step->set_episode_step(py::cast<int32_t>(d["episode_step"]));
+      step->set_episode_return(py::cast<float>(get("episode_return")));
+      step->set_episode_step(py::cast<int32_t>(get("episode_step")));
+      static const std::vector<std::string> not_extras = {
+          "frame", "reward", "done", "game_over", "episode_return", "episode_step", "last_action"};
+      for (auto [key, value] : d) {
+        if (!py::isinstance<py::str>(key)) {
+          throw std::invalid_argument("the adapter's step dict has a key that is not a str");
+        }
+        std::string name = key.cast<std::string>();
+        if (std::find(not_extras.begin(), not_extras.end(), name) != not_extras.end()) continue;
+        Nest extra = nest_from_python(value, "['" + name + "']");
+        if (extra.kind != Nest::Kind::kArray) {
+          throw std::invalid_argument("the adapter's step dict entry '" + name +
+                                      "' must be an array or a scalar, got " +
+                                      kind_name(extra.kind));
+        }
+        nest_to_proto(extra, &(*step->mutable_extras()->mutable_map())[name]);
+      }
     }
 
     EnvServer* server_;
     py::object env_;  // touched only with the GIL held
     bool batched_ = false;
+    // Adapters replaced after errors, plus their own restarts. Only this
+    // stream's gRPC thread touches it.
+    int64_t restarts_ = 0;
   };
 
   class Service final : public rpcenv::RPCEnvServer::Service {

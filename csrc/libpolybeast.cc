@@ -174,26 +174,35 @@ PYBIND11_MODULE(libpolybeast, m) {
       "inference batcher and puts (rollout, initial_agent_state) on the learner queue.\n\n"
       "The batcher is called with (env_outputs, agent_state) and must answer\n"
       "(agent_outputs, agent_state), agent_outputs a dict with an int 'action'.\n"
+      "env_outputs holds every named array the server sends (the fixed Step fields\n"
+      "with 'frame' and 'last_action', plus any extra key of the environment's dict),\n"
+      "so an environment-side rollout field needs no C++ change; a step that lacks\n"
+      "one of env_keys (list of str) fails the run naming the key and the server.\n"
       "Every array of a step is [1, 1, ...]; a rollout is a dict of [T+1, 1, ...]\n"
       "arrays (T = unroll_length) whose last step is step 0 of the next one.")
       .def(py::init([](int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
                        std::shared_ptr<DynamicBatcher> inference_batcher,
                        std::vector<std::string> env_server_addresses,
-                       py::handle initial_agent_state, double connect_timeout_s) {
+                       py::handle initial_agent_state, std::vector<std::string> env_keys,
+                       double connect_timeout_s) {
              return std::make_unique<ActorPool>(
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
-                 connect_timeout_s);
+                 std::move(env_keys), connect_timeout_s);
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
-           py::arg("env_server_addresses"), py::arg("initial_agent_state"),
+           py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
            py::arg("connect_timeout_s") = 60.0)
       .def(
           "run", [](ActorPool& pool) { pool.run(check_signals); }, release_gil(),
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
           "naming the address for the first actor that failed (an env server unreachable\n"
-          "for connect_timeout_s, a bad inference answer); that also closes both queues.")
+          "for connect_timeout_s, a step without one of env_keys, a bad inference answer);\n"
+          "that also closes both queues.")
       .def("count", &ActorPool::count, "Environment steps taken so far.")
+      .def("env_errors", &ActorPool::env_errors,
+           "Environment restarts after errors so far, as the env servers report them\n"
+           "(Step.env_errors), summed over all streams; 0 for servers that do not report.")
       .def("close", &ActorPool::close, release_gil(),
            "Stops the actors without closing the queues; idempotent.");
 
@@ -202,7 +211,13 @@ PYBIND11_MODULE(libpolybeast, m) {
       "Serves environments over gRPC (csrc/rpcenv.proto) at 'unix:/path' or 'host:port'.\n\n"
       "Each stream gets its own adapter from env_factory(), which must offer\n"
       ".initial() and .step(action) returning dict(frame, reward, done, game_over,\n"
-      "episode_return, episode_step), and optionally .close().")
+      "episode_return, episode_step, ...), and optionally .close(). Every other key of\n"
+      "the dict (but last_action, which the actor knows) travels as a named array\n"
+      "(Step.extras), an array or a scalar each. An adapter with `num_envs` hosts that\n"
+      "many environments: its dicts of [num_envs, ...] arrays travel whole as\n"
+      "Step.batch, and step() gets an int64 array of actions. An adapter that raises\n"
+      "in step() is replaced; each Step reports the restarts so far (Step.env_errors,\n"
+      "plus a batched adapter's own `restarts` attribute if it has one).")
       .def(py::init<py::object, std::string>(), py::arg("env_factory"),
            py::arg("server_address"))
       .def(

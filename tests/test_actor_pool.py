@@ -1,5 +1,6 @@
 """libpolybeast.ActorPool against EnvServers in this process: rollout layout, the overlap between
-consecutive unrolls, episode boundaries, agent state, a server restart, and shutdown."""
+consecutive unrolls, episode boundaries, agent state, extra environment fields, environment error
+counts, a server restart, and shutdown."""
 
 import threading
 import time
@@ -15,13 +16,21 @@ WAIT_S = 60  # upper bound for rollouts to arrive; never reached when things wor
 EPISODE_LENGTH = 5
 UNROLL_LENGTH = 4
 NUM_ACTIONS = 3
+# The environment-side keys of today's rollouts, which every step must carry.
+ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_step",
+            "last_action")
 
 
 class CountingEnv:
-    """Deterministic adapter. frame = [server, instance, steps since creation, episode step]."""
+    """Deterministic adapter. frame = [server, instance, steps since creation, episode step].
 
-    def __init__(self, server, instance):
+    With extras, each step also has fields that C++ does not know by name: lives (int32
+    scalar, 100 + steps since creation) and aux (float32 [2], [steps, episode step / 2]).
+    With fail_at_step, step() raises at that step of its lifetime."""
+
+    def __init__(self, server, instance, extras=False, fail_at_step=None):
         self.server, self.instance = server, instance
+        self.extras, self.fail_at_step = extras, fail_at_step
         self.total = 0
         self.episode_step = 0
         self.episode_return = 0.0
@@ -29,12 +38,20 @@ class CountingEnv:
     def frame(self):
         return np.array([self.server, self.instance, self.total, self.episode_step], np.int64)
 
+    def with_extras(self, result):
+        if self.extras:
+            result.update(lives=np.int32(100 + self.total),
+                          aux=np.array([self.total, self.episode_step / 2], np.float32))
+        return result
+
     def initial(self):
-        return dict(frame=self.frame(), reward=0.0, done=True, game_over=False,
-                    episode_return=0.0, episode_step=0)
+        return self.with_extras(dict(frame=self.frame(), reward=0.0, done=True, game_over=False,
+                                     episode_return=0.0, episode_step=0))
 
     def step(self, action):
         self.total += 1
+        if self.total == self.fail_at_step:
+            raise RuntimeError("the emulator crashed")
         self.episode_step += 1
         self.episode_return += float(action)
         result = dict(reward=np.float32(action), episode_return=np.float32(self.episode_return),
@@ -44,7 +61,7 @@ class CountingEnv:
             self.episode_step = 0
             self.episode_return = 0.0
         result.update(frame=self.frame(), done=done, game_over=done)
-        return result
+        return self.with_extras(result)
 
 
 class CountingVectorEnv:
@@ -61,6 +78,8 @@ class CountingVectorEnv:
         batch = {key: np.array([r[key] for r in results], dtype)
                  for key, dtype in self.DTYPES.items()}
         batch["last_action"] = np.asarray(last_action, np.int64)
+        for key in results[0].keys() - batch.keys():  # the extras, with their own dtypes
+            batch[key] = np.stack([r[key] for r in results])
         return batch
 
     def initial(self):
@@ -71,24 +90,58 @@ class CountingVectorEnv:
         return self._stack([env.step(a) for env, a in zip(self.envs, actions)], actions)
 
 
+class FlakyVectorEnv(CountingVectorEnv):
+    """Says it restarted one of its environments itself (`restarts`, as GymnasiumVectorEnv
+    counts them) at its step 2, and raises at its step 4 unless told not to."""
+
+    def __init__(self, envs, fails):
+        super().__init__(envs)
+        self.fails = fails
+        self.steps = 0
+        self.restarts = 0
+
+    def step(self, actions):
+        self.steps += 1
+        if self.steps == 2:
+            self.restarts += 1
+        if self.steps == 4 and self.fails:
+            raise RuntimeError("the vector env crashed")
+        return super().step(actions)
+
+
+FLAKY_ADAPTERS = 2  # with flaky=True, the first adapters of each server raise in step()
+# Restarts each server's stream reports with flaky=True: per single-environment stream, one
+# per failing adapter; per batched stream, each failing adapter's restart and its own
+# `restarts` (1 each), plus the `restarts` of the adapter that lasts.
+FLAKY_ERRORS = {None: FLAKY_ADAPTERS, 3: 2 * FLAKY_ADAPTERS + 1}
+
+
 class Server:
-    """An EnvServer in a thread; instances are numbered across restarts."""
+    """An EnvServer in a thread; instances are numbered across restarts. extras and flaky: see
+    CountingEnv and FlakyVectorEnv."""
 
     instances = 0
 
-    def __init__(self, index, address, envs_per_stream=None):
+    def __init__(self, index, address, envs_per_stream=None, extras=False, flaky=False):
         self.index, self.address = index, address
         self.envs_per_stream = envs_per_stream  # None: single-environment streams
+        self.extras, self.flaky = extras, flaky
+        self.adapters = 0  # adapters this server created
         self.start()
 
-    def _counting_env(self):
+    def _counting_env(self, fail_at_step=None):
         Server.instances += 1
-        return CountingEnv(self.index, Server.instances)
+        return CountingEnv(self.index, Server.instances, self.extras, fail_at_step)
 
     def factory(self):
+        self.adapters += 1
+        fails = self.flaky and self.adapters <= FLAKY_ADAPTERS
         if self.envs_per_stream is None:
-            return self._counting_env()
-        return CountingVectorEnv([self._counting_env() for _ in range(self.envs_per_stream)])
+            return self._counting_env(fail_at_step=3 if fails else None)
+        envs = [self._counting_env() for _ in range(self.envs_per_stream)]
+        if self.flaky:
+            return FlakyVectorEnv(envs, fails)
+        return CountingVectorEnv(envs)
 
     def start(self):
         self.server = EnvServer(self.factory, self.address)
@@ -127,8 +180,9 @@ def inference_loop(batcher, errors):
 class Pool:
     """Servers, an inference thread, the pool, and a thread that collects rollouts."""
 
-    def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None):
-        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream)
+    def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None,
+                 extras=False, flaky=False, env_keys=ENV_KEYS):
+        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
                         for i in range(num_servers)]
         self.learner_queue = BatchingQueue(batch_dim=1, minimum_batch_size=1,
                                            maximum_batch_size=1, maximum_queue_size=8)
@@ -139,7 +193,8 @@ class Pool:
             unroll_length=UNROLL_LENGTH, learner_queue=self.learner_queue,
             inference_batcher=self.batcher,
             env_server_addresses=[s.address for s in self.servers],
-            initial_agent_state=self.initial_state, connect_timeout_s=connect_timeout_s)
+            initial_agent_state=self.initial_state, env_keys=list(env_keys),
+            connect_timeout_s=connect_timeout_s)
         self.errors, self.run_errors = [], []
         self.rollouts = []  # (rollout dict, initial agent state), in arrival order
         self.lock = threading.Lock()
@@ -162,6 +217,7 @@ class Pool:
                 self.rollouts.append((rollout, state))
 
     def wait_for(self, condition, what):
+        """Waits until condition(rollouts so far) holds."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             with self.lock:
@@ -340,7 +396,7 @@ def test_unreachable_server_fails_run_naming_the_address(tmp_path):
     batcher = DynamicBatcher(batch_dim=1)
     pool = ActorPool(unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
                      env_server_addresses=[address], initial_agent_state=(),
-                     connect_timeout_s=0.5)
+                     env_keys=ENV_KEYS, connect_timeout_s=0.5)
     with pytest.raises(RuntimeError, match="nobody.sock.*could not reach"):
         pool.run()
     assert learner_queue.is_closed() and batcher.is_closed()
@@ -353,7 +409,8 @@ def test_bad_inference_answer_fails_run(tmp_path):
     learner_queue = BatchingQueue(batch_dim=1)
     batcher = DynamicBatcher(batch_dim=1)
     pool = ActorPool(unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
-                     env_server_addresses=[server.address], initial_agent_state=())
+                     env_server_addresses=[server.address], initial_agent_state=(),
+                     env_keys=ENV_KEYS)
 
     def inference():
         for batch in batcher:
@@ -375,5 +432,70 @@ def test_bad_inference_answer_fails_run(tmp_path):
 def test_constructor_checks_arguments():
     queue, batcher = BatchingQueue(), DynamicBatcher()
     with pytest.raises(ValueError, match="unroll_length"):
-        ActorPool(0, queue, batcher, ["unix:/x"], ())
+        ActorPool(0, queue, batcher, ["unix:/x"], (), ENV_KEYS)
+    with pytest.raises(ValueError, match="env_keys"):
+        ActorPool(1, queue, batcher, ["unix:/x"], (), ["frame", ""])
+    with pytest.raises(TypeError):  # env_keys is required
+        ActorPool(1, queue, batcher, ["unix:/x"], ())
     assert libpolybeast.ActorPool is ActorPool
+
+
+@pytest.mark.parametrize("envs_per_stream", [None, 3], ids=["single", "batched"])
+def test_extra_env_fields_reach_the_rollouts(tmp_path, envs_per_stream):
+    """Keys of the adapter's dict that C++ does not know by name arrive with their dtype and
+    values, [T+1, 1, ...] like every field, and can be required by env_keys."""
+    pool = Pool(tmp_path, envs_per_stream=envs_per_stream, extras=True,
+                env_keys=ENV_KEYS + ("lives", "aux"))
+    try:
+        pool.wait_for(lambda rs: len(rs) >= 6, "6 rollouts")
+    finally:
+        pool.shutdown()
+    T = UNROLL_LENGTH
+    for rollout, state in pool.rollouts:
+        assert rollout["lives"].shape == (T + 1, 1) and rollout["lives"].dtype == np.int32
+        assert rollout["aux"].shape == (T + 1, 1, 2) and rollout["aux"].dtype == np.float32
+        total, episode_step = rollout["frame"][:, 0, 2], rollout["frame"][:, 0, 3]
+        np.testing.assert_array_equal(rollout["lives"][:, 0], 100 + total)
+        np.testing.assert_array_equal(rollout["aux"][:, 0, 0], total)
+        np.testing.assert_array_equal(rollout["aux"][:, 0, 1], episode_step / 2)
+        check_rollout(rollout, state)
+    for group in by_instance(pool.rollouts).values():
+        for (previous, _), (following, _) in zip(group, group[1:]):
+            check_overlap(previous, following)
+
+
+@pytest.mark.parametrize("envs_per_stream", [None, 3], ids=["single", "batched"])
+def test_step_without_an_env_key_fails_run_naming_key_and_server(tmp_path, envs_per_stream):
+    pool = Pool(tmp_path, num_servers=1, envs_per_stream=envs_per_stream,
+                env_keys=ENV_KEYS + ("lives",))
+    pool.pool_thread.join(JOIN_TIMEOUT_S)
+    assert not pool.pool_thread.is_alive(), "ActorPool.run() did not fail"
+    pool.shutdown()
+    assert len(pool.run_errors) == 1 and isinstance(pool.run_errors[0], RuntimeError)
+    message = str(pool.run_errors[0])
+    assert "env.0" in message and "without the env key(s) 'lives'" in message, message
+    assert pool.rollouts == []
+
+
+@pytest.mark.parametrize("envs_per_stream", [None, 3], ids=["single", "batched"])
+def test_env_errors_count_restarts_of_flaky_adapters(tmp_path, envs_per_stream, capfd):
+    """Each server's adapters raise in step() (and, batched, restart environments themselves);
+    env_errors() sums what every stream reports, counting each restart once."""
+    pool = Pool(tmp_path, envs_per_stream=envs_per_stream, flaky=True)
+    expected = 2 * FLAKY_ERRORS[envs_per_stream]
+    try:
+        assert pool.pool.env_errors() <= expected
+        deadline = time.monotonic() + WAIT_S
+        while pool.pool.env_errors() < expected and time.monotonic() < deadline:
+            assert pool.pool_thread.is_alive(), f"ActorPool.run() ended: {pool.run_errors}"
+            time.sleep(0.02)
+        assert pool.pool.env_errors() == expected
+        # Steps that report the same total add nothing.
+        with pool.lock:
+            seen = len(pool.rollouts)
+        pool.wait_for(lambda rs: len(rs) >= seen + 4, "4 more rollouts")
+        assert pool.pool.env_errors() == expected
+    finally:
+        pool.shutdown()
+    assert all(server.adapters == FLAKY_ADAPTERS + 1 for server in pool.servers)
+    assert "crashed" in capfd.readouterr().err

@@ -1,5 +1,7 @@
 """libpolybeast.EnvServer, talked to by a Python gRPC client built from csrc/rpcenv.proto: the wire
-format, episode boundaries, and recovery from an environment that raises."""
+format, extra named fields, episode boundaries, and recovery from an environment that raises (and
+its count, Step.env_errors). Also libpolybeast.ActorPool against a Python gRPC server that speaks
+TorchBeast's format."""
 
 import importlib
 import pathlib
@@ -39,12 +41,14 @@ def rpcenv(tmp_path_factory):
 
 class CountingEnv:
     """Deterministic adapter: the frame encodes (steps since creation, episode step, env id,
-    last action); episodes last EPISODE_LENGTH steps; reward = action / 2."""
+    last action); episodes last EPISODE_LENGTH steps; reward = action / 2. With extras, each
+    step also has lives (int32 scalar, 3 + env id) and aux (float32 [2], [steps, action])."""
 
-    def __init__(self, env_id, fail_at_step=None, closed=None):
+    def __init__(self, env_id, fail_at_step=None, closed=None, extras=False):
         self.env_id = env_id
         self.fail_at_step = fail_at_step
         self.closed = closed if closed is not None else []
+        self.extras = extras
         self.total = 0
         self.episode_step = 0
         self.episode_return = 0.0
@@ -52,9 +56,15 @@ class CountingEnv:
     def frame(self, action):
         return np.array([[self.total, self.episode_step], [self.env_id, action]], np.int32)
 
+    def with_extras(self, result, action):
+        if self.extras:
+            result.update(lives=np.int32(3 + self.env_id),
+                          aux=np.array([self.total, action], np.float32))
+        return result
+
     def initial(self):
-        return dict(frame=self.frame(0), reward=0.0, done=True, game_over=False,
-                    episode_return=0.0, episode_step=0, last_action=0)
+        return self.with_extras(dict(frame=self.frame(0), reward=0.0, done=True, game_over=False,
+                                     episode_return=0.0, episode_step=0, last_action=0), 0)
 
     def step(self, action):
         self.total += 1
@@ -70,23 +80,24 @@ class CountingEnv:
             self.episode_step = 0
             self.episode_return = 0.0
         result.update(frame=self.frame(action), done=np.bool_(done), game_over=np.bool_(done))
-        return result
+        return self.with_extras(result, action)
 
     def close(self):
         self.closed.append(self.env_id)
 
 
 class Factory:
-    def __init__(self, fail_at_step=None):
+    def __init__(self, fail_at_step=None, extras=False):
         self.created = 0
         self.closed = []
         self.fail_at_step = fail_at_step
+        self.extras = extras
 
     def __call__(self):
         self.created += 1
         # Only the first env fails, so that the replacement runs normally.
         fail = self.fail_at_step if self.created == 1 else None
-        return CountingEnv(self.created, fail, self.closed)
+        return CountingEnv(self.created, fail, self.closed, self.extras)
 
 
 class ServerThread:
@@ -134,9 +145,23 @@ class Client:
         self.actions.put(self.pb2.Action(action=action))
         return next(self.steps)
 
+    def step_batch(self, actions):
+        """Sends int64 actions [N] as nest_action (a batched stream)."""
+        request = self.pb2.Action()
+        put_array(request.nest_action, np.asarray(actions, np.int64))
+        self.actions.put(request)
+        return next(self.steps)
+
     def close(self):
         self.actions.put(None)
         self.channel.close()
+
+
+def put_array(nest, array):
+    """Writes a numpy array into an rpcenv ArrayNest."""
+    nest.array.dtype = array.dtype.num
+    nest.array.shape.extend(array.shape)
+    nest.array.data = array.tobytes()
 
 
 def frame_of(step):
@@ -335,7 +360,8 @@ def test_batched_stream_wire_format(rpcenv, address):
         first = client.first()
         assert not first.HasField("observation") and first.HasField("batch")
         batch = batch_of(first)
-        assert sorted(batch) == sorted(["frame", *vector_envs.SCALAR_FIELDS])
+        assert sorted(batch) == sorted(f.name for f in reference.fields)
+        assert first.HasField("env_errors") and first.env_errors == 0
         assert batch["frame"].shape == (3, 4) and batch["frame"].dtype == np.float32
         assert batch["done"].tolist() == [True] * 3
         expected = reference.initial()
@@ -357,3 +383,210 @@ def test_batched_stream_wire_format(rpcenv, address):
         client.close()
         server.stop()
         reference.close()
+
+
+def extras_of(step):
+    """Step.extras as {name: array}."""
+    return {key: array_of(nest.array) for key, nest in step.extras.map.items()}
+
+
+def test_extra_keys_travel_in_extras_and_env_errors_counts_restarts(rpcenv, address):
+    """Keys of the adapter's dict without a fixed Step field arrive in Step.extras under their
+    names (last_action does not: the actor knows it); env_errors counts the restarts."""
+    factory = Factory(fail_at_step=3, extras=True)
+    server = ServerThread(factory, address)
+    client = Client(rpcenv, address)
+    try:
+        first = client.first()
+        extras = extras_of(first)
+        assert sorted(extras) == ["aux", "lives"]
+        assert extras["lives"].dtype == np.int32 and extras["lives"].shape == ()
+        assert extras["lives"] == 4
+        assert extras["aux"].dtype == np.float32 and extras["aux"].tolist() == [0, 0]
+        assert first.HasField("env_errors") and first.env_errors == 0
+        step = client.step(2)
+        assert extras_of(step)["aux"].tolist() == [1, 2] and step.env_errors == 0
+        assert client.step(1).env_errors == 0
+        restarted = client.step(1)  # env 1 raises; env 2 sends its initial step
+        assert restarted.done and restarted.env_errors == 1
+        assert extras_of(restarted)["lives"] == 5
+        for t in range(1, 4):
+            step = client.step(2)
+            assert step.env_errors == 1, "a restart was counted twice"
+            assert extras_of(step)["aux"].tolist() == [t, 2]
+    finally:
+        client.close()
+        server.stop()
+
+
+class RestartingVectorEnv:
+    """A batched adapter that restarts one of its environments itself at its step 2 (counted
+    in `restarts`, as beast.vector_envs.GymnasiumVectorEnv does) and raises at step 4 if
+    told to."""
+
+    num_envs = 2
+
+    def __init__(self, fails):
+        self.fails = fails
+        self.steps = 0
+        self.restarts = 0
+
+    def initial(self):
+        return dict(frame=np.zeros((2, 1), np.float32), steps=np.full(2, self.steps))
+
+    def step(self, actions):
+        self.steps += 1
+        if self.steps == 2:
+            self.restarts += 1
+        if self.steps == 4 and self.fails:
+            raise RuntimeError("the vector env crashed")
+        return self.initial()
+
+
+def test_batched_env_errors_add_the_adapters_own_restarts(rpcenv, address):
+    """env_errors = adapters replaced after raising + the restarts they counted themselves,
+    never going down when a replacement starts counting from 0."""
+    adapters = []
+
+    def factory():
+        adapters.append(RestartingVectorEnv(fails=not adapters))
+        return adapters[-1]
+
+    server = ServerThread(factory, address)
+    client = Client(rpcenv, address)
+    try:
+        first = client.first()
+        assert first.HasField("batch") and first.env_errors == 0
+        # Steps 1-3 of adapter 1; step 4 raises (1 + its own 1), then adapter 2's steps 1-3.
+        errors = [client.step_batch([0, 1]).env_errors for _ in range(7)]
+        assert errors == [0, 1, 1, 2, 2, 3, 3]
+    finally:
+        client.close()
+        server.stop()
+    assert len(adapters) == 2
+
+
+# ActorPool against a server that speaks only TorchBeast's format.
+
+ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_step",
+            "last_action")
+
+
+class TorchBeastStyleServer:
+    """A Python gRPC env server in TorchBeast's format: Step.observation, reward, done,
+    episode_step and episode_return (no game_over, env_errors or extras unless given); reads
+    Action.action. Step t has frame [t, 0, 0] and reward t; episodes end every 3 steps."""
+
+    def __init__(self, rpcenv, address, extras=None):
+        from concurrent import futures
+
+        import grpc
+
+        pb2, pb2_grpc = rpcenv
+        self.pb2 = pb2
+        self.extras = extras or {}
+        self.actions = []  # Action.action values received, in order
+
+        class Servicer(pb2_grpc.RPCEnvServerServicer):
+            def StreamingEnv(servicer, requests, context):  # noqa: N805 - grpc's signature
+                return self._stream(requests)
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb2_grpc.add_RPCEnvServerServicer_to_server(Servicer(), self.server)
+        self.server.add_insecure_port(address)
+        self.server.start()
+
+    def _step(self, t):
+        step = self.pb2.Step(reward=float(t), done=t % 3 == 0, episode_step=(t - 1) % 3 + 1,
+                             episode_return=0.5)
+        put_array(step.observation, np.array([t, 0, 0], np.float32))
+        for name, value in self.extras.items():
+            put_array(step.extras.map[name], np.asarray(value))
+        return step
+
+    def _stream(self, requests):
+        t = 0
+        yield self._step(t)
+        for action in requests:
+            assert not action.HasField("nest_action")
+            self.actions.append(action.action)
+            t += 1
+            yield self._step(t)
+
+    def stop(self):
+        self.server.stop(grace=None).wait(JOIN_TIMEOUT_S)
+
+
+def run_pool_against(server_address, unroll_length, num_rollouts):
+    """Runs an ActorPool (action = frame[0] % 2) on one server until num_rollouts arrive.
+    Returns (rollouts, pool, the error run() raised or None)."""
+    learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
+                                               maximum_queue_size=num_rollouts)
+    batcher = libpolybeast.DynamicBatcher(batch_dim=1, timeout_ms=5)
+    pool = libpolybeast.ActorPool(
+        unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
+        env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS)
+    run_errors = []
+
+    def inference():
+        for batch in batcher:
+            env_outputs, state = batch.get_inputs()
+            action = env_outputs["frame"][..., 0].astype(np.int64) % 2
+            batch.set_outputs((dict(action=action), state))
+
+    def run():
+        try:
+            pool.run()
+        except Exception as error:  # noqa: BLE001 - returned to the test
+            run_errors.append(error)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (inference, run)]
+    for thread in threads:
+        thread.start()
+    rollouts = []
+    try:
+        for rollout, _ in learner_queue:  # ends when run() fails and closes the queue
+            rollouts.append(rollout)
+            if len(rollouts) == num_rollouts:
+                break
+    finally:
+        learner_queue.close()
+        batcher.close()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_S)
+            assert not thread.is_alive()
+    return rollouts, pool, run_errors[0] if run_errors else None
+
+
+def test_actor_pool_reads_a_torchbeast_style_server(rpcenv, address):
+    """No game_over (it equals done), no env_errors (0), no extras: today's env keys all the
+    same, and the actions go back as Action.action."""
+    server = TorchBeastStyleServer(rpcenv, address)
+    try:
+        rollouts, pool, error = run_pool_against(address, unroll_length=3, num_rollouts=2)
+    finally:
+        server.stop()
+    assert error is None
+    assert pool.env_errors() == 0
+    for k, rollout in enumerate(rollouts):
+        assert sorted(rollout) == sorted(ENV_KEYS + ("action",))
+        assert rollout["frame"].shape == (4, 1, 3) and rollout["frame"].dtype == np.float32
+        t = np.arange(3 * k, 3 * k + 4)
+        np.testing.assert_array_equal(rollout["frame"][:, 0, 0], t)
+        np.testing.assert_array_equal(rollout["reward"][:, 0], t)
+        np.testing.assert_array_equal(rollout["done"][:, 0], t % 3 == 0)
+        np.testing.assert_array_equal(rollout["game_over"], rollout["done"])
+        np.testing.assert_array_equal(rollout["action"][:, 0], t % 2)
+        np.testing.assert_array_equal(rollout["last_action"][1:, 0], (t % 2)[:-1])
+    assert server.actions[:6] == [t % 2 for t in range(6)]
+
+
+def test_actor_pool_refuses_an_extra_that_clashes_with_a_step_field(rpcenv, address):
+    server = TorchBeastStyleServer(rpcenv, address, extras=dict(reward=np.float32(1)))
+    try:
+        rollouts, _, error = run_pool_against(address, unroll_length=3, num_rollouts=1)
+    finally:
+        server.stop()
+    assert rollouts == []
+    assert isinstance(error, RuntimeError)
+    assert "env.sock" in str(error) and "extras entry 'reward' clashes" in str(error)

@@ -3,11 +3,12 @@
 import argparse
 import sys
 
+import ale_py
 import gymnasium
 import numpy as np
 import pytest
 
-from beast import envs, rollout
+from beast import envs, rollout, vector_envs
 
 
 def make_flags(env, **kwargs):
@@ -417,3 +418,54 @@ def test_envpool_backend_episodic_life():
         pytest.fail("a random Breakout game should end within 5000 steps")
     assert life_losses == 4
     adapter.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers: the one place to add them, and the traps they used to fall into.
+
+
+class DoubleReward(gymnasium.RewardWrapper):
+    def reward(self, reward):
+        return 2.0 * reward
+
+
+def test_wrappers_reach_every_environment(monkeypatch):
+    """A wrapper listed in WRAPPERS wraps what create_env makes, hence the adapters and the
+    vector envs that MonoBeast's actors, PolyBeast's servers and evaluation use."""
+    monkeypatch.setattr(envs, "WRAPPERS", (DoubleReward,))
+    flags = make_flags("CartPole-v1")
+    assert isinstance(envs.create_env(flags), DoubleReward)
+    adapter = envs.RolloutAdapter(envs.create_env(flags), seed=0)
+    adapter.initial()
+    assert adapter.step(0)["reward"] == 2.0
+    vector = vector_envs.create_vector_env(flags, 2, seed=0)
+    vector.initial()
+    assert (vector.step(np.zeros(2, np.int64))["reward"] == 2.0).all()
+    vector.close()
+
+
+def test_envpool_refuses_wrappers_by_name(monkeypatch):
+    pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+    monkeypatch.setattr(envs, "WRAPPERS", (DoubleReward,))
+    flags = make_flags("ALE/Pong-v5")
+    flags.env_backend = "envpool"
+    with pytest.raises(ValueError, match="DoubleReward"):
+        envs.create_env(flags)
+    with pytest.raises(ValueError, match="DoubleReward"):
+        vector_envs.create_vector_env(flags, 2, seed=0)
+
+
+def test_atari_is_recognised_whatever_wraps_it(monkeypatch):
+    """Pong in a wrapper keeps the Atari defaults (kind "atari"), not the small-image ones."""
+    monkeypatch.setattr(envs, "WRAPPERS", (gymnasium.wrappers.RecordEpisodeStatistics,))
+    info = envs.env_info(make_flags("ALE/Pong-v5"))
+    assert info["kind"] == "atari"
+    assert envs.env_info(make_flags("CartPole-v1"))["kind"] == "vector"
+
+
+def test_a_wrapper_inside_the_atari_preprocessing_is_refused():
+    """The preprocessing drives ALE directly: a wrapper between it and ALE would never run."""
+    atari = ale_py.AtariEnv(game="pong", frameskip=1)
+    with pytest.raises(TypeError, match="never run"):
+        envs.AtariPreprocessing(gymnasium.wrappers.RecordEpisodeStatistics(atari))
+    atari.close()

@@ -254,7 +254,7 @@ def test_envpool_servers_with_several_environments_per_stream(tmp_path):
     run_dir = tmp_path / "runs" / "ep"
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--env", "ALE/Pong-v5", "--env_backend", "envpool", "--num_actors", "2",
-        "--envs_per_actor", "3", "--batch_size", "6", "--unroll_length", "20",
+        "--envs_per_stream", "3", "--batch_size", "6", "--unroll_length", "20",
         "--log_interval_steps", "240", "--total_steps", "1440", xpid="ep"), timeout=240)
     assert result.returncode == 0, result.stderr
     rows = logs(run_dir)

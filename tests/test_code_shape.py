@@ -1,0 +1,35 @@
+"""The shape of the code a forker reads: short functions, one declaration per concept."""
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MAX_FUNCTION_LINES = 60  # code lines, the docstring not counted
+
+
+def python_files():
+    for pattern in ("*.py", "beast/*.py", "bench/*.py"):
+        yield from sorted(REPO.glob(pattern))
+
+
+def function_lengths(path):
+    """(name, first line, code lines) of every function in the file."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0]
+            start = node.lineno
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                # The signature lines count, the docstring does not.
+                docstring_lines = first.end_lineno - first.lineno + 1
+            else:
+                docstring_lines = 0
+            yield node.name, start, node.end_lineno - start + 1 - docstring_lines
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = [f"{path.relative_to(REPO)}:{line} {name} ({n} lines)"
+            for path in python_files() for name, line, n in function_lengths(path)
+            if n > MAX_FUNCTION_LINES]
+    assert not long, "split these functions:\n" + "\n".join(long)
