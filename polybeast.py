@@ -315,7 +315,7 @@ def to_torch(array, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def inference(index, inference_batcher, models, device):
+def inference(index, inference_batcher, models, schema, device):
     """Inference thread: answers batches of actor requests until the batcher closes.
 
     A batch holds one step of B actors: env_outputs arrays are [T=1, B, ...]
@@ -324,12 +324,24 @@ def inference(index, inference_batcher, models, device):
     """
     for batch in inference_batcher:
         env_outputs, agent_state = batch.get_inputs()
+        check_env_outputs(schema, env_outputs)
         inputs = {k: to_torch(v, device) for k, v in env_outputs.items()}
         state = tuple(to_torch(s, device) for s in agent_state)
         outputs, state = models.forward(index, inputs, state)
         # The only device-to-host copy (and sync point) of an inference step.
         agent_outputs = {k: v.cpu().numpy() for k, v in outputs.items()}
         batch.set_outputs((agent_outputs, tuple(s.cpu().numpy() for s in state)))
+
+
+def check_env_outputs(schema, env_outputs):
+    """What the env servers send enters here: each field's dtype and shape must be the
+    run's, or the model would fail on it (or, worse, not: done as uint8 makes ~done 254)."""
+    try:
+        schema.check(env_outputs, 2, "an env server sent a step that does not fit",
+                     source="env")
+    except ValueError as e:
+        raise training.UserError(
+            f"{e}. Do the env servers run the same --env as the learner?") from None
 
 
 def run_actor_pool(actor_pool, addresses):
@@ -376,7 +388,7 @@ def train_loop(run, models, servers):
     learner_queue, inference_batcher, actor_pool = create_actor_pool(run, models, addresses)
     threads = [run.errors.thread("actor-pool", run_actor_pool, actor_pool, addresses)]
     threads += [run.errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
-                                  run.device, on_error=inference_batcher.close)
+                                  run.schema, run.device, on_error=inference_batcher.close)
                 for i in range(flags.num_inference_threads)]
     threads += [run.errors.thread(f"learner-{i}", run.learner_thread,
                                   learner_batches(learner_queue, run.schema, run.device))

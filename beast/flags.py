@@ -217,6 +217,9 @@ def _add_learner_flags(group):
                        help="Train on the CPU even when a GPU is present.")
     group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                        help="Learner forward pass precision (V-trace and losses stay fp32).")
+    group.add_argument("--max_nonfinite_updates", type=int, default=10,
+                       help="Learner updates in a row whose loss or gradient is not finite "
+                            "(each is skipped, the weights never see it) before the run stops.")
     group.add_argument("--num_torch_threads", type=int, default=None,
                        help="Intra-op threads of the learner process (default: all "
                             "cores; PolyBeast with local servers: cores - num_actors, "
@@ -304,6 +307,8 @@ def validate_flags(flags, extra_problems=()):
     need(flags.unroll_length >= 1,
          f"--unroll_length must be at least 1 (got {flags.unroll_length}).")
     need(flags.batch_size >= 1, f"--batch_size must be at least 1 (got {flags.batch_size}).")
+    need(flags.max_nonfinite_updates >= 1,
+         f"--max_nonfinite_updates must be at least 1 (got {flags.max_nonfinite_updates}).")
     need(flags.total_steps >= 1, f"--total_steps must be positive (got {flags.total_steps}).")
     need(flags.num_learner_threads >= 1,
          f"--num_learner_threads must be at least 1 (got {flags.num_learner_threads}).")

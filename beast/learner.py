@@ -163,7 +163,9 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
         rollout (float32 [num_layers, B, hidden] each, or () without a core).
 
     Returns:
-      dict of floats: compute_loss's stats plus grad_norm (before clipping).
+      dict of floats: compute_loss's stats, grad_norm (before clipping) and
+      skipped_update (1.0 when the loss or gradient was not finite and the
+      weights and optimizer state were left as they were, else 0.0).
     """
     device = next(model.parameters()).device
     with autocast_context(device, getattr(flags, "precision", "fp32")):
@@ -174,10 +176,16 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
     optimizer.zero_grad(set_to_none=True)
     total_loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), flags.grad_norm_clipping)
-    optimizer.step()
-    scheduler.step()
+    # A non-finite loss or gradient (an infinite reward, a diverged value) must never reach
+    # the weights: the update is skipped. Reading the norm is a host sync (a CPU-GPU sync
+    # point on a GPU), the one that logging the stats below needs anyway.
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()  # the schedule follows environment steps, skipped or not
     stats["grad_norm"] = grad_norm
-    # One sync point per learner step, for logging.
+    stats["skipped_update"] = 0.0 if finite else 1.0
     return {k: float(v) for k, v in stats.items()}
 
 

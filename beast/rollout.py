@@ -190,13 +190,16 @@ class Schema:
         return {n: make(tuple(leading_shape) + f.shape, dtype=f.dtype)
                 for n, f in self.fields.items() if source in (None, f.source)}
 
-    def check(self, arrays, leading_dims, where):
+    def check(self, arrays, leading_dims, where, source=None):
         """Raises ValueError naming the first field of `arrays` that is missing or does not fit.
 
         arrays: dict of numpy arrays or tensors [*leading, *shape]; leading_dims: how many
-        leading dims to skip. A value that crosses a boundary is checked where it enters.
+        leading dims to skip; source: check only the fields of ENV or AGENT (None: all). A
+        value that crosses a boundary is checked where it enters.
         """
         for name, f in self.fields.items():
+            if source not in (None, f.source):
+                continue
             value = arrays.get(name)
             if value is None:
                 raise ValueError(f"{where}: the rollout field {name!r} is missing")

@@ -160,6 +160,8 @@ class Learner:
         self.acting_model = acting_model
         self.optimizer, self.scheduler = learner.create_optimizer(flags, model)
         self.step = 0
+        self.skipped_updates = 0  # non-finite updates, all told
+        self.skipped_in_a_row = 0
         self.lock = threading.Lock()
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model_state_dict"])
@@ -169,14 +171,31 @@ class Learner:
         acting_model.load_state_dict(model.state_dict())
 
     def update(self, batch, initial_agent_state):
-        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats)."""
+        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
+
+        An update whose loss or gradient is not finite is skipped and counted
+        (skipped_in_a_row); Run.learn decides when that ends the run.
+        """
         with self.lock:
             stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
                                        batch, initial_agent_state)
-            self.acting_model.load_state_dict(self.model.state_dict())
             self.step += self.flags.unroll_length * self.flags.batch_size
+            if stats["skipped_update"]:
+                self._skipped(stats)
+            else:
+                self.skipped_in_a_row = 0
+                self.acting_model.load_state_dict(self.model.state_dict())
+            stats["skipped_updates"] = self.skipped_updates
             stats["learning_rate"] = self.scheduler.get_last_lr()[0]
             return self.step, stats
+
+    def _skipped(self, stats):
+        self.skipped_updates += 1
+        self.skipped_in_a_row += 1
+        losses = ", ".join(f"{k} {v:.4g}" for k, v in stats.items() if "loss" in k)
+        print(f"warning: skipped the learner update at step {self.step}: the loss or its "
+              f"gradient is not finite ({losses}, grad_norm {stats['grad_norm']:.4g}).",
+              file=sys.stderr)
 
     def weights(self):
         """A CPU copy of the model's weights."""
@@ -246,9 +265,14 @@ class ThreadErrors:
             except Exception as e:
                 if not isinstance(e, UserError):
                     traceback.print_exc()
-                # Without its traceback: the frames would keep alive what the thread held
-                # (an inference Batch whose callers wait until it is dropped).
-                self._errors.append(e.with_traceback(None))
+                # Without tracebacks (its own and its context's): their frames would keep
+                # alive what the thread held, e.g. an inference Batch whose actors wait
+                # until it is answered or dropped.
+                cause = e
+                while cause is not None:
+                    cause.__traceback__ = None
+                    cause = cause.__context__
+                self._errors.append(e)
                 if on_error is not None:
                     on_error()
         return threading.Thread(target=run, name=name, daemon=True)
@@ -289,6 +313,13 @@ class Run:
         """One learner step on a batch [T+1, B, ...], with its stats and evaluation snapshot."""
         step, stats = self.learner.update(batch, initial_agent_state)
         self.stats.record(step, stats, batch)
+        if self.learner.skipped_in_a_row >= self.flags.max_nonfinite_updates:
+            self.stats.log(step, stats)  # the row that shows why the run stops
+            raise UserError(
+                f"{self.learner.skipped_in_a_row} learner updates in a row had a loss or "
+                "gradient that is not finite; none reached the weights, and the checkpoint "
+                "keeps the last good ones. Look for infinite or NaN rewards or observations "
+                "from the environment, or lower --learning_rate.")
         self.evaluator.snapshot_if_due(step, self.learner)
 
     def learner_thread(self, batches):
@@ -333,8 +364,16 @@ class Run:
         self.errors.raise_first()
 
     def save(self):
-        """Writes the checkpoint: everything a resume needs."""
+        """Writes the checkpoint: everything a resume needs. Weights that are not finite
+        never overwrite the last good checkpoint."""
         state = self.learner.state_dict()
+        bad = [k for k, v in state["model_state_dict"].items()
+               if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            print(f"warning: not writing a checkpoint: the weights {', '.join(bad[:3])} are not "
+                  f"finite; {self.run_dir.checkpoint_path} keeps the last good ones.",
+                  file=sys.stderr)
+            return
         with self.stats.lock:
             state["episodes"] = self.stats.episodes.state_dict()
         state["flags"] = ckpt.plain_flags(self.flags)

@@ -1,4 +1,5 @@
-"""A CartPole whose step raises now and then, to test that actors survive it.
+"""CartPoles that misbehave, to test that runs survive them: one whose step raises now and
+then, one whose reward turns infinite.
 
 Used as `--env tests.flaky_env:FlakyCartPole-v0` (importing this module
 registers the id).
@@ -24,3 +25,24 @@ class FlakyCartPole(gym.Wrapper):
 
 if "FlakyCartPole-v0" not in gym.registry:
     gym.register(id="FlakyCartPole-v0", entry_point=FlakyCartPole)
+
+
+class InfiniteRewardCartPole(gym.Wrapper):
+    """A CartPole whose reward becomes infinite after `good_steps` steps of its lifetime."""
+
+    def __init__(self, good_steps=3000):
+        super().__init__(gym.make("CartPole-v1"))
+        self.good_steps = good_steps
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if self.steps > self.good_steps:
+            reward = float("inf")
+        return obs, reward, terminated, truncated, info
+
+
+if "InfiniteRewardCartPole-v0" not in gym.registry:
+    gym.register(id="InfiniteRewardCartPole-v0", entry_point=InfiniteRewardCartPole)
+

@@ -314,3 +314,23 @@ def test_non_scalar_term_is_refused(monkeypatch):
     monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (per_step_loss,))
     with pytest.raises(ValueError, match="per_step_loss returned shape"):
         learner.compute_loss(make_flags(), make_learner_outputs(), make_batch())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_loss_never_reaches_the_weights(bad):
+    """An infinite (or NaN) reward makes the loss non-finite: the update is skipped, the
+    weights and the optimizer state stay as they were, and the stats say so."""
+    flags, batch, model = make_flags(reward_clipping="none"), make_batch(), TinyModel()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    assert learner.learn_step(flags, model, optimizer, scheduler, batch, ())["skipped_update"] == 0
+    before = copy.deepcopy(model.state_dict())
+    optimizer_before = copy.deepcopy(optimizer.state_dict())
+    batch["reward"][2, 1] = bad
+    stats = learner.learn_step(flags, model, optimizer, scheduler, batch, ())
+    assert stats["skipped_update"] == 1.0 and not np.isfinite(stats["grad_norm"])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for key, value in optimizer.state_dict()["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(tensor, optimizer_before["state"][key][name]), name

@@ -188,6 +188,26 @@ def test_serial_mode(tmp_path):
     assert int(read_logs(tmp_path / "serial")[-1]["step"]) >= 3000
 
 
+@pytest.mark.parametrize("num_actors", [0, 2], ids=["serial", "actors"])
+def test_infinite_reward_never_reaches_weights_or_checkpoint(tmp_path, num_actors):
+    """Rewards turn infinite after a while: each update is skipped and counted, the run stops
+    with one message after --max_nonfinite_updates in a row, and the checkpoint written last
+    holds the good weights (of the last finite update)."""
+    result = run_monobeast(tmp_path, "--env", "tests.flaky_env:InfiniteRewardCartPole-v0",
+                           "--xpid", "inf", "--num_actors", num_actors, "--envs_per_actor", 4,
+                           "--batch_size", 4, "--unroll_length", 20, "--total_steps", 400_000,
+                           "--log_interval_steps", 800, "--checkpoint_interval_s", 0,
+                           "--max_nonfinite_updates", 3, check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "3 learner updates in a row" in result.stderr and "Traceback" not in result.stderr
+    state = ckpt.load_checkpoint(tmp_path / "inf" / "model.tar")
+    assert 0 < state["step"] < 400_000
+    for name, value in state["model_state_dict"].items():
+        assert torch.isfinite(value).all(), name
+    rows = read_logs(tmp_path / "inf")
+    assert any(float(r["skipped_updates"]) > 0 for r in rows)
+
+
 def test_environment_errors_are_counted_not_fatal(tmp_path):
     # Few environments, so that each lives past its 500th step.
     run_monobeast(tmp_path, "--env", "tests.flaky_env:FlakyCartPole-v0", "--xpid", "flaky",

@@ -406,3 +406,47 @@ def test_non_loopback_address_warns(tmp_path):
         "--total_steps", "1000"))
     assert "neither authenticated nor encrypted" in result.stderr
     assert result.returncode == 2
+
+
+def test_infinite_reward_never_reaches_weights_or_checkpoint(tmp_path):
+    """As in MonoBeast: skipped updates, one message, a checkpoint with finite weights."""
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--env", "tests.flaky_env:InfiniteRewardCartPole-v0", "--num_actors", "2",
+        "--envs_per_stream", "2", "--batch_size", "4", "--unroll_length", "20",
+        "--total_steps", "400000", "--checkpoint_interval_s", "0",
+        "--max_nonfinite_updates", "3", xpid="inf"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "3 learner updates in a row" in result.stderr
+    state = ckpt.load_checkpoint(tmp_path / "runs" / "inf" / "model.tar")
+    assert 0 < state["step"] < 400_000
+    for name, value in state["model_state_dict"].items():
+        assert torch.isfinite(value).all(), name
+
+
+SERVERS_THAT_DO_NOT_FIT = {
+    "other-env": ("frame", ["polybeast_env", "--env", "Acrobot-v1", "--num_servers", "1"]),
+    "done-as-uint8": ("done", ["tests.byte_done_server"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SERVERS_THAT_DO_NOT_FIT))
+def test_a_server_that_does_not_fit_ends_the_run_at_once(tmp_path, case):
+    """A CartPole learner pointed at a server that sends other observations (Acrobot's [6]),
+    or `done` as uint8: one message naming the field, exit code 2, no hang and no abort."""
+    field, server = SERVERS_THAT_DO_NOT_FIT[case]
+    address = f"unix:{tmp_path}/env" + (".0" if server[0] == "polybeast_env" else "")
+    servers = start(tmp_path, "servers", *server,
+                    *(["--pipes_basename", f"unix:{tmp_path}/env"]
+                      if server[0] == "polybeast_env" else [address]))
+    try:
+        wait_for(lambda: os.path.exists(address[len("unix:"):]), "the env server's socket",
+                 servers, lambda: output(tmp_path, "servers"))
+        started = time.monotonic()
+        result = run(tmp_path, *polybeast_args(
+            tmp_path, "--env", "CartPole-v1", "--server_addresses", address,
+            "--batch_size", "4", "--unroll_length", "20", "--total_steps", "4000"))
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert time.monotonic() - started < 30, "the error must end the run at once"
+        assert f"rollout field '{field}'" in result.stderr and "same --env" in result.stderr
+    finally:
+        stop_group(servers)
