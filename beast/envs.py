@@ -633,6 +633,7 @@ class RolloutAdapter:
                      fresh array each step, which the caller may keep,
       reward         float32, the reward of the step that led here (0 at initial()),
       done           bool, this step ended a training episode (True at initial()),
+      truncated      bool, this step was cut short by a time limit (see below),
       game_over      bool, this step ended the real game (info["game_over"] when the env gives it,
                      as end-of-life episodes do; else == done; False at initial()),
       episode_return float32, the real game's return so far; at game_over the finished game's total,
@@ -642,7 +643,9 @@ class RolloutAdapter:
     dict of each step (required) and of reset() (zeros when absent).
     When a step ends an episode, step() resets the env: the frame returned is the next episode's
     first, while reward, episode_return, episode_step and the declared fields describe the step
-    and game that ended.
+    and game that ended. A time limit (truncated and not terminated) is the exception: that
+    step returns the final observation with truncated=True and done=False, so that the learner
+    can bootstrap from its value, and the next step() ignores its action and returns initial().
     """
 
     def __init__(self, gym_env, seed=None):
@@ -661,6 +664,7 @@ class RolloutAdapter:
         if seed is not None:
             gym_env.action_space.seed(seed)
         self._seed_pending = True  # the seed goes to the first reset only; later resets continue its RNG
+        self._reset_pending = False
         self._episode_return = 0.0
         self._episode_step = 0
         self._closed = False
@@ -668,6 +672,7 @@ class RolloutAdapter:
     def initial(self):
         seed = self.seed if self._seed_pending else None
         self._seed_pending = False
+        self._reset_pending = False
         frame, info = self.env.reset(seed=seed)
         self._episode_return = 0.0
         self._episode_step = 0
@@ -675,6 +680,7 @@ class RolloutAdapter:
             frame=frame,
             reward=np.float32(0.0),
             done=np.bool_(True),
+            truncated=np.bool_(False),
             game_over=np.bool_(False),
             episode_return=np.float32(0.0),
             episode_step=np.int32(0),
@@ -685,10 +691,18 @@ class RolloutAdapter:
         return output
 
     def step(self, action):
+        if self._reset_pending:  # the last step returned a time limit's final observation
+            return self.initial()
         action = int(action)
         frame, reward, terminated, truncated, info = self.env.step(action)
         done = terminated or truncated
         game_over = info.get("game_over", done)
+        # Cut short by a time limit: this step returns the final observation (so that the
+        # learner can bootstrap from its value) and the next one, whatever its action, the
+        # next episode's first.
+        self._reset_pending = bool(truncated and not terminated)
+        if self._reset_pending:
+            done = False
         self._episode_return += reward
         self._episode_step += 1
         episode_return = self._episode_return
@@ -699,6 +713,7 @@ class RolloutAdapter:
         output = dict(
             reward=np.float32(reward),
             done=np.bool_(done),
+            truncated=np.bool_(self._reset_pending),
             game_over=np.bool_(game_over),
             episode_return=np.float32(episode_return),
             episode_step=np.int32(episode_step),

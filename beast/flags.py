@@ -269,6 +269,9 @@ def _add_logging_flags(group):
                             "separate environments (0: never).")
     group.add_argument("--eval_episodes", type=int, default=5,
                        help="Episodes per offline evaluation.")
+    group.add_argument("--eval_policy", default="greedy", choices=["greedy", "sample"],
+                       help="How offline evaluation and --mode test act: the argmax of the "
+                            "policy (as TorchBeast's test mode), or actions sampled from it.")
     group.add_argument("--test_episodes", type=int, default=10,
                        help="Episodes to play in --mode test.")
     group.add_argument("--no_progress", action="store_true",

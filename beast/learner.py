@@ -90,6 +90,12 @@ def loss_inputs(flags, learner_outputs, batch):
     rewards = clip_rewards(batch["reward"][1:].float(), flags.reward_clipping)
     # A done at t+1 means x_{t+1} starts a new episode: nothing flows back.
     discounts = (~batch["done"][1:]).float() * flags.discounting
+    if "truncated" in batch:
+        # x_t is a time limit's final observation: the episode did not end, it was cut.
+        # The step t -> t+1 into the next episode is no transition; with the reward V(x_t)
+        # and the discount 0 (done at t+1) its V-trace target is V(x_t) exactly, its
+        # advantage 0, and the step into x_t bootstraps from V(x_t) as if the episode went on.
+        rewards = torch.where(batch["truncated"][:-1], values.detach(), rewards)
     returns = vtrace.from_logits(
         behavior_policy_logits=batch["policy_logits"][:-1],
         target_policy_logits=target_logits,

@@ -77,6 +77,10 @@ CORE_FIELDS = (
     Field("done", np.bool_, (), ENV,
           "x_t is the first observation of a training episode (the step that led here "
           "ended the previous one, or nothing came before)"),
+    Field("truncated", np.bool_, (), ENV,
+          "x_t is the final observation of an episode cut short by a time limit: the "
+          "return is bootstrapped from V(x_t), and the next step starts a new episode "
+          "(done) without a transition to learn from"),
     Field("game_over", np.bool_, (), ENV,
           "the step that led to x_t ended the real game (differs from done with "
           "end-of-life episodes)"),

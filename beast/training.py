@@ -417,10 +417,11 @@ def train(flags, variant):
 def play_episodes(flags, model, num_episodes, seed):
     """Plays whole games with `model` on a fresh environment; returns their returns.
 
-    The model acts greedily (argmax): it is put in eval mode, as TorchBeast's test mode does.
+    With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
+    of the policy), as TorchBeast's test mode does; with sample, in train mode.
     """
     env = envs.RolloutAdapter(envs.create_env(flags), seed=seed)
-    model.eval()
+    model.train(flags.eval_policy == "sample")
     returns = []
     try:
         env_output = env.initial()
@@ -481,7 +482,8 @@ class Evaluator:
             returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
                                     seed=10_000_000 + self.count)
             stats.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
-                             "eval_episodes": len(returns)})
+                             "eval_episodes": len(returns),
+                             "eval_policy": self.flags.eval_policy})
 
 
 def test(flags, variant):
@@ -490,7 +492,8 @@ def test(flags, variant):
     model = build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])
     returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345)
-    print(f"Played {len(returns)} episodes with the checkpoint of step {checkpoint['step']}: "
+    print(f"Played {len(returns)} episodes ({flags.eval_policy} actions) with the checkpoint "
+          f"of step {checkpoint['step']}: "
           f"mean return {np.mean(returns):.2f} (min {np.min(returns):.1f}, "
           f"max {np.max(returns):.1f}).")
     return returns

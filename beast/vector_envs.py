@@ -126,6 +126,7 @@ class EnvPoolVectorEnv:
         self.outputs = _empty_outputs(num_envs, self.fields)
         self._return = np.zeros(num_envs, dtype=np.float64)
         self._length = np.zeros(num_envs, dtype=np.int64)
+        self._cut = np.zeros(num_envs, dtype=bool)  # the last step hit a time limit
 
     def initial(self):
         frame, info = self.pool.reset()
@@ -137,6 +138,7 @@ class EnvPoolVectorEnv:
         out["done"][:] = True
         self._return[:] = 0
         self._length[:] = 0
+        self._cut = np.zeros(self.num_envs, dtype=bool)
         return out
 
     def step(self, actions):
@@ -144,6 +146,9 @@ class EnvPoolVectorEnv:
         if actions.shape != (self.num_envs,):
             raise ValueError(f"expected {self.num_envs} actions, got an array of shape "
                              f"{actions.shape}")
+        # Environments whose last step was cut by a time limit: EnvPool resets them now and
+        # ignores their action, which is our convention for the step after a truncation.
+        resetting, self._cut = self._cut, np.zeros(self.num_envs, dtype=bool)
         frame, reward, terminated, truncated, info = self.pool.step(
             actions.astype(np.int32), self.env_ids)
         ids = info["env_id"]  # rows come back in EnvPool's order
@@ -151,15 +156,17 @@ class EnvPoolVectorEnv:
         out["frame"][ids] = frame
         out["reward"][ids] = reward
         done = np.zeros(self.num_envs, dtype=bool)
-        done[ids] = terminated | truncated
+        done[ids] = terminated
+        self._cut[ids] = truncated & ~terminated
         game_over = np.zeros(self.num_envs, dtype=bool)
         # With episodic_life, terminated marks a lost life; info["terminated"] the game's end.
         game_over[ids] = info["terminated"].astype(bool) | truncated
-        out["done"][:] = done
+        out["done"][:] = done | resetting
+        out["truncated"][:] = self._cut
         out["game_over"][:] = game_over
-        out["last_action"][:] = actions
+        out["last_action"][:] = np.where(resetting, 0, actions)
         self._return[ids] += reward
-        self._length[ids] += 1
+        self._length[ids] += ~resetting[ids]
         out["episode_return"][:] = self._return
         out["episode_step"][:] = self._length
         self._return[game_over] = 0

@@ -29,7 +29,7 @@ def random_steps(adapter, num_steps, seed=0):
 
 
 ROLLOUT_TYPES = dict(
-    reward=np.float32, done=np.bool_, game_over=np.bool_,
+    reward=np.float32, done=np.bool_, truncated=np.bool_, game_over=np.bool_,
     episode_return=np.float32, episode_step=np.int32, last_action=np.int64,
 )
 
@@ -318,10 +318,15 @@ def test_create_env_detects_old_api(env_class):
     try:
         adapter = make_adapter(env_id)
         assert adapter.initial()["frame"].dtype == np.float32  # float64 vectors are cast
-        outputs = [adapter.step(1) for _ in range(4)]
-        assert [bool(output["done"]) for output in outputs] == [False, False, True, False]  # TimeLimit
+        outputs = [adapter.step(1) for _ in range(5)]
+        # The TimeLimit cuts the third step: its final observation comes with truncated, the
+        # next step starts the next episode (done) whatever its action.
+        assert [bool(output["truncated"]) for output in outputs] == [False, False, True, False, False]
+        assert [bool(output["done"]) for output in outputs] == [False, False, False, True, False]
         assert outputs[2]["episode_return"] == 3.0 and outputs[2]["episode_step"] == 3
-        np.testing.assert_array_equal(outputs[3]["frame"], [1.0])
+        assert outputs[2]["game_over"] and not outputs[3]["game_over"]
+        np.testing.assert_array_equal(outputs[2]["frame"], [3.0])
+        np.testing.assert_array_equal(outputs[4]["frame"], [1.0])
         adapter.close()
     finally:
         del gymnasium.registry[env_id]

@@ -224,6 +224,7 @@ def test_offline_evaluation_is_logged(tmp_path):
     evals = [r for r in rows if r.get("eval_mean_episode_return") not in ("", None)]
     evals = [r for r in evals if not math.isnan(float(r["eval_mean_episode_return"]))]
     assert [int(r["step"]) for r in evals][:2] == [5120, 10240]  # The first steps past 5k, 10k.
+    assert evals[0]["eval_policy"] == "greedy"
 
 
 @pytest.mark.parametrize("args, message", [

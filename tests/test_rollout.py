@@ -104,7 +104,7 @@ def cartpole_fields():
 
 def test_schema_of_a_model_lists_every_output():
     schema = rollout.Schema.of(cartpole_fields(), AuxMLP((4,), 2), num_actions=2)
-    assert schema.names("env") == rollout.CORE_NAMES[:7]
+    assert schema.names("env") == rollout.CORE_NAMES[:8]
     assert schema.names("agent") == ("policy_logits", "baseline", "action", "aux")
     assert schema.fields["aux"].shape == (2,) and schema.fields["aux"].dtype == np.float32
     zeros = schema.zeros((3, 5))

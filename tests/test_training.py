@@ -1,0 +1,76 @@
+"""The run skeleton's own pieces (beast/training.py), in-process."""
+
+import argparse
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from beast import checkpoint as ckpt
+from beast import models, training
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+class RecordsMode(models.MLP):
+    """An MLP that records whether each forward ran in train mode (sampled actions)."""
+
+    def __init__(self):
+        super().__init__((4,), 2, hidden_size=8)
+        self.modes = []
+
+    def forward(self, inputs, core_state=()):
+        self.modes.append(self.training)
+        return super().forward(inputs, core_state)
+
+
+def test_evaluation_acts_greedily_unless_asked_to_sample():
+    for policy, sampled in (("greedy", False), ("sample", True)):
+        model = RecordsMode()
+        flags = argparse.Namespace(env="CartPole-v1", eval_policy=policy)
+        returns = training.play_episodes(flags, model, num_episodes=2, seed=0)
+        assert len(returns) == 2 and set(model.modes) == {sampled}
+
+
+def test_greedy_evaluation_is_deterministic():
+    """Same weights, same seed: the same returns, since no action is sampled."""
+    model = RecordsMode()
+    flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy")
+    torch.manual_seed(1)
+    first = training.play_episodes(flags, model, num_episodes=3, seed=5)
+    torch.manual_seed(2)
+    assert training.play_episodes(flags, model, num_episodes=3, seed=5) == first
+
+
+def value_of(model, observation):
+    """The model's baseline on one observation (one step, one environment)."""
+    inputs = dict(frame=torch.tensor([[[observation]]], dtype=torch.float32),
+                  reward=torch.ones(1, 1), done=torch.zeros(1, 1, dtype=torch.bool),
+                  last_action=torch.zeros(1, 1, dtype=torch.int64))
+    with torch.no_grad():
+        outputs, _ = model(inputs, model.initial_state(1))
+    return float(outputs["baseline"])
+
+
+@pytest.mark.parametrize("variant", ["monobeast", "polybeast"])
+def test_time_limits_bootstrap(tmp_path, variant):
+    """Reward 1 forever, episodes cut at 20 steps: with discount 0.9 the value of every step
+    is the infinite sum 1 / (1 - 0.9) = 10. Treating the cut as the episode's end would
+    make the value of the last step 1 (and of step t, 10 * (1 - 0.9^(20 - t)))."""
+    command = [sys.executable, "-m", variant, "--env", "tests.time_limit_env:ConstantReward-v0",
+               "--savedir", str(tmp_path), "--xpid", "limit", "--no_progress",
+               "--discounting", "0.9", "--total_steps", "150000", "--hidden_size", "32",
+               "--unroll_length", "20", "--batch_size", "8", "--entropy_cost", "0",
+               "--learning_rate", "0.002"]
+    if variant == "polybeast":
+        command += ["--num_actors", "2", "--envs_per_stream", "4"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = ckpt.load_checkpoint(tmp_path / "limit" / "model.tar")
+    model = models.MLP((1,), 2, hidden_size=32)
+    model.load_state_dict(state["model_state_dict"])
+    near_the_limit = value_of(model, 19 / 20)
+    assert near_the_limit > 8, f"V(step 19) = {near_the_limit:.2f}; bootstrapped it is ~10"
+    assert abs(value_of(model, 5 / 20) - 10) < 2
