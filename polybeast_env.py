@@ -100,13 +100,14 @@ class EnvFactory:
         # Imported here: the parent process never needs gymnasium.
         from beast import envs, vector_envs
 
+        # Below 2**31: some environments (MinAtar's NumPy seeding) refuse larger seeds.
         seed = int(np.random.SeedSequence(
-            [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0])
+            [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0] % 2**31)
         self.streams += 1
         if self.flags.envs_per_stream == 1 and self.flags.env_backend == "gymnasium":
             return envs.RolloutAdapter(envs.create_env(self.flags), seed)
         # Seeds of a vector env grow by 1000 per environment: stay well inside int64.
-        return vector_envs.create_vector_env(self.flags, self.flags.envs_per_stream, seed % 2**40,
+        return vector_envs.create_vector_env(self.flags, self.flags.envs_per_stream, seed,
                                              name=f"env server {self.server_index}")
 
 

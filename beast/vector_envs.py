@@ -48,6 +48,15 @@ def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
 
 
+def env_seed(seed, j, restart=0):
+    """The seed of environment j of a vector env seeded with `seed`, after `restart` restarts.
+
+    Distinct for distinct (seed, j, restart) and below 2**31, since some environments
+    (MinAtar's NumPy seeding) refuse seeds of 2**32 and more.
+    """
+    return int(np.random.SeedSequence([seed, j, restart]).generate_state(1)[0] % 2**31)
+
+
 def _empty_outputs(num_envs, fields):
     return {f.name: np.zeros((num_envs,) + f.shape, dtype=f.dtype) for f in fields}
 
@@ -68,8 +77,7 @@ class GymnasiumVectorEnv:
         self.outputs = _empty_outputs(num_envs, self.fields)
 
     def _make_env(self, j, restart):
-        env_seed = self.seed * 1000 + j + 100_000 * restart
-        return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed)
+        return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed(self.seed, j, restart))
 
     def _store(self, j, env_output):
         for key, array in self.outputs.items():

@@ -450,3 +450,15 @@ def test_a_server_that_does_not_fit_ends_the_run_at_once(tmp_path, case):
         assert f"rollout field '{field}'" in result.stderr and "same --env" in result.stderr
     finally:
         stop_group(servers)
+
+
+def test_minatar_trains(tmp_path):
+    """MinAtar's NumPy seeding refuses seeds of 2**32 and more: the seeds the servers derive
+    stay below, and a run trains (it used to fail in every stream)."""
+    pytest.importorskip("minatar", reason="MinAtar is optional: pip install minatar")
+    result = run(tmp_path, *polybeast_args(
+        tmp_path, "--env", "MinAtar/Breakout-v1", "--num_actors", "2", "--envs_per_stream", "2",
+        "--batch_size", "4", "--unroll_length", "20", "--total_steps", "2000",
+        "--log_interval_steps", "400"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert last_step(tmp_path / "runs" / "run") >= 2000
