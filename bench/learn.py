@@ -1,0 +1,482 @@
+"""python -m bench.learn: does it learn? Final returns and learning curves over seeds.
+
+Runs the suite (SUITE: CartPole-v1, Acrobot-v1, the five MinAtar games) for each variant and
+seed with the launcher (bench/launch.py: resumable, a few runs at once, failures recorded), then
+reads every run's logs.csv and writes a markdown report: per environment, one table row per
+variant, one PNG with a curve per variant.
+
+    python -m bench.learn            # the whole suite (long: 150M MinAtar steps in all)
+    python -m bench.learn --envs CartPole-v1 --seeds 0,1 --variants monobeast
+    python -m bench.learn --envs MinAtar/Breakout-v1 --total_steps 1000000 --output learn.md
+    python -m bench.learn --no_launch --output learn.md     # report on the runs already there
+    python -m bench.learn ... -- --num_actors 4             # flags for every run after `--`
+
+Stopping it (Ctrl-C) stops the runs, which checkpoint; the same command again skips the runs
+that reached total_steps and resumes the others.
+
+What the numbers mean is HOW_TO_READ below, which heads the report. The published references
+(each SUITE entry's `reference`) hold only what we could check, and say where the comparison
+is not like for like.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # `python -m bench.learn` from another directory
+    sys.path.insert(0, REPO)
+
+from beast import flags as beast_flags  # noqa: E402
+from beast import runlog  # noqa: E402
+
+from bench import launch  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# The suite and what was published about it.
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """A published result to set beside ours. value is text ("" where not filled in)."""
+    value: str
+    source: str
+    note: str  # where the comparison is not like for like
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteEnv:
+    # None: the repo's default for this kind of environment (beast.flags.ENV_DEFAULTS), which
+    # the run's flags.json records.
+    total_steps: int = None
+    args: tuple = ()  # extra flags for this env's runs; --env_args adds to them
+    reference: Reference = None
+
+
+MINATAR_STEPS = 5_000_000  # the MinAtar paper's training length (5M frames = 5M steps)
+
+MINATAR_PAPER = "Young & Tian 2019, MinAtar (arXiv 1903.03176)"
+MINATAR_NOTE = (
+    "Not like for like. Their agents are DQN (replay buffer, target network, epsilon-greedy) "
+    "and online actor-critic with eligibility traces, AC(lambda), not IMPALA; each curve is "
+    "the average of 30 runs (the MinAtar README), against our few seeds. The repository's "
+    "examples/dqn.py trains for 5,000,000 frames (one frame is one step; MinAtar has no frame "
+    "skip) on MinAtar's full 6-action set, while the MinAtar/*-v1 ids we train on use each "
+    "game's minimal action set. Both use MinAtar's Environment defaults, sticky actions with "
+    "probability 0.1 and difficulty ramping, which the v1 ids keep.")
+# The value is left blank on purpose: the paper and the README show the baselines' returns
+# as learning curves, and we could not check an exact final number for any game here. A
+# number read off a plot would be invented precision; fill one in only with the paper's
+# table or text cited (page, table), never from memory.
+MINATAR_REFERENCE = Reference("", MINATAR_PAPER, MINATAR_NOTE)
+
+# No published IMPALA numbers exist for these; the report adds Gymnasium's "solved" threshold
+# (the env spec's reward_threshold), which is a definition, not a result.
+CLASSIC_REFERENCE = Reference("", "No published IMPALA result for this env",
+                              "Both ids cut episodes at 500 steps, so CartPole-v1 returns "
+                              "lie in [0, 500] and Acrobot-v1 returns in [-500, 0].")
+
+SUITE = {
+    "CartPole-v1": SuiteEnv(reference=CLASSIC_REFERENCE),
+    "Acrobot-v1": SuiteEnv(reference=CLASSIC_REFERENCE),
+    **{f"MinAtar/{game}-v1": SuiteEnv(MINATAR_STEPS, reference=MINATAR_REFERENCE)
+       for game in ("Breakout", "Asterix", "Freeway", "Seaquest", "SpaceInvaders")},
+}
+
+
+def solved_threshold(env):
+    """Gymnasium's reward_threshold for env, or None (unknown id, none registered)."""
+    try:
+        import gymnasium
+
+        return gymnasium.spec(env).reward_threshold
+    except Exception:  # any registry error only means there is nothing to show
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# One run's logs.
+
+@dataclasses.dataclass
+class Curve:
+    """What one run's logs.csv says. steps/returns: the rows with a mean_episode_return,
+    steps strictly increasing (see drop_superseded)."""
+    steps: list
+    returns: list
+    last_step: float = math.nan  # the largest step logged
+    wall_s: float = math.nan
+    eval_return: float = math.nan  # the last eval_mean_episode_return
+
+    @property
+    def final_return(self):
+        return self.returns[-1] if self.returns else math.nan
+
+
+def drop_superseded(rows):
+    """The rows of logs.csv in time order, without those a resume made stale.
+
+    A resumed run goes back to its checkpoint's step and appends; the earlier start's rows
+    past that step describe training that was thrown away, and the first smaller step
+    shows where. Rows at the same step (an evaluation row beside a training row) both stay.
+    """
+    kept = []
+    for row in rows:
+        while kept and kept[-1]["step"] > row["step"]:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
+def start_times(path):
+    """start_unix of each start of the run in path: meta.json, and meta.json.1, .2, ... that
+    runlog keeps from earlier starts. Sorted; empty when there are none (hand-made logs)."""
+    starts = []
+    for name in os.listdir(path) if os.path.isdir(path) else ():
+        if re.fullmatch(r"meta\.json(\.\d+)?", name):
+            try:
+                with open(os.path.join(path, name)) as f:
+                    starts.append(float(json.load(f)["start_unix"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a damaged file costs only this start's launch time
+    return sorted(starts)
+
+
+def wall_time(times, starts=()):
+    """Seconds a run spent: for each start, from the start to its last row, summed.
+
+    Args:
+      times: the _time of every logs.csv row (seconds since the epoch).
+      starts: when each start of the run began; without them, the first row's time stands
+        for the only start (so the time to the first row is not counted).
+    """
+    times = sorted(t for t in times if math.isfinite(t))
+    if not times:
+        return math.nan
+    starts = sorted(s for s in starts if s <= times[-1])
+    if not starts or starts[0] > times[0]:  # rows from before the first start we know of
+        starts = [times[0], *starts]
+    total = 0.0
+    for start, end in zip(starts, [*starts[1:], math.inf]):
+        inside = [t for t in times if start <= t < end]
+        if inside:
+            total += inside[-1] - start
+    return total
+
+
+def _finite(row, key):
+    value = row.get(key, math.nan)
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def read_curve(path):
+    """The Curve of the run directory at path; None when it has no logs.csv."""
+    logs_path = os.path.join(path, "logs.csv")
+    if not os.path.isfile(logs_path):
+        return None
+    raw = [r for r in runlog.read_logs(logs_path) if _finite(r, "step")]
+    rows = drop_superseded(raw)
+    points = {}
+    for row in rows:
+        if _finite(row, "mean_episode_return"):  # nan until the first episode ends
+            points[row["step"]] = row["mean_episode_return"]  # the later of equal steps
+    evals = [r["eval_mean_episode_return"] for r in rows if _finite(r, "eval_mean_episode_return")]
+    return Curve(steps=list(points), returns=list(points.values()),
+                 last_step=max((r["step"] for r in rows), default=math.nan),
+                 wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
+                                  start_times(path)),
+                 eval_return=evals[-1] if evals else math.nan)
+
+
+# ---------------------------------------------------------------------------------------------
+# Over seeds.
+
+@dataclasses.dataclass
+class Spread:
+    n: int  # finite values
+    mean: float = math.nan
+    std: float = math.nan  # sample std (n-1); nan below 2 values
+    lo: float = math.nan
+    hi: float = math.nan
+
+
+def spread(values):
+    """Mean, sample std, min and max of the finite values (a seed without one is left out)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return Spread(0)
+    std = statistics.stdev(values) if len(values) > 1 else math.nan
+    return Spread(len(values), statistics.fmean(values), std, min(values), max(values))
+
+
+def common_grid(curves, points=200):
+    """`points` steps, evenly spaced over the range every curve covers (first to last point).
+
+    Empty when no curve has a point or the ranges do not overlap; one step when they meet
+    at a single step. Interpolating inside the common range only means the mean line never
+    changes which seeds it averages.
+    """
+    curves = [c for c in curves if c is not None and c.steps]
+    if not curves:
+        return np.empty(0)
+    lo = max(c.steps[0] for c in curves)
+    hi = min(c.steps[-1] for c in curves)
+    if lo > hi:
+        return np.empty(0)
+    return np.array([lo]) if lo == hi else np.linspace(lo, hi, points)
+
+
+def interpolate(curves, grid):
+    """float64 [len(curves), len(grid)]: each curve's returns, linear between its points."""
+    return np.array([np.interp(grid, c.steps, c.returns) for c in curves]).reshape(
+        len(curves), len(grid))
+
+
+def band(curves, points=200):
+    """(grid, mean, lo, hi) over the curves that have points: the mean line and the min-max
+    band on common_grid. Each is float64 [len(grid)]; all empty without a common range."""
+    curves = [c for c in curves if c is not None and c.steps]
+    grid = common_grid(curves, points)
+    if not len(grid):
+        return grid, grid, grid, grid
+    values = interpolate(curves, grid)
+    return grid, values.mean(axis=0), values.min(axis=0), values.max(axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+def fmt(x, digits=1):
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:,.{digits}f}"
+
+
+def fmt_spread(s, digits=1):
+    if s.n == 0:
+        return "n/a"
+    return fmt(s.mean, digits) + ("" if s.n < 2 else f" ± {fmt(s.std, digits)}")
+
+
+def fmt_range(s, digits=1):
+    if s.n == 0:
+        return "n/a"
+    return fmt(s.lo, digits) if s.lo == s.hi else f"{fmt(s.lo, digits)} – {fmt(s.hi, digits)}"
+
+
+def fmt_duration(seconds):
+    if not math.isfinite(seconds):
+        return "n/a"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def finished(result):
+    return result.target is not None and result.steps >= result.target
+
+
+RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
+TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
+                "failures", "steps reached", "wall time per run", "eval return",
+                "published reference"]
+
+
+def table_row(variant, results, curves, reference):
+    """One variant's cells: results and curves are per seed, in the same order."""
+    finals = spread([c.final_return if c else math.nan for c in curves])
+    final_text = fmt_spread(finals, RETURN_DIGITS)
+    if 0 < finals.n < len(results):  # some seed has not finished an episode
+        final_text += f" ({finals.n} seeds)"
+    steps = spread([c.last_step if c else math.nan for c in curves])
+    targets = sorted({r.target for r in results if r.target is not None})
+    steps_text = fmt_range(steps, 0) + (f" of {', '.join(f'{t:,}' for t in targets)}"
+                                        if targets else "")
+    return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
+            f"{sum(map(finished, results))}/{len(results)}",
+            str(sum(r.status == "failed" for r in results)), steps_text,
+            fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
+            fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
+            (reference.value or "— (see below)") if reference else "—"]
+
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def plot_env(env, curves_by_variant, path, points=200):
+    """One PNG: per variant, the mean line and min-max band over seeds against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
+    for variant, curves in curves_by_variant.items():
+        seeds = [c for c in curves if c is not None and c.steps]
+        grid, mean, lo, hi = band(seeds, points)
+        if not len(grid):
+            continue
+        line, = ax.plot(grid, mean, marker="o" if len(grid) == 1 else None,
+                        label=f"{variant} (mean of {len(seeds)} seed{'s' * (len(seeds) > 1)})")
+        ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+        drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no episode has finished yet", ha="center", transform=ax.transAxes)
+    ax.set_title(f"{env}: band = min – max over seeds")
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("mean return, last 100 episodes")
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def env_section(env, variants, by_run, plot_path, link, points=200):
+    """The markdown of one env: its table, its figure, its failures and its reference."""
+    reference = SUITE[env].reference if env in SUITE else None
+    rows, curves_by_variant, failures = [], {}, []
+    for variant in variants:
+        runs = [by_run[key] for key in by_run if key[:2] == (env, variant)]
+        results = [result for result, _ in runs]
+        curves_by_variant[variant] = [curve for _, curve in runs]
+        rows.append(table_row(variant, results, curves_by_variant[variant], reference))
+        failures += [r for r in results if r.status in ("failed", "stopped", "not run")]
+    plot_env(env, curves_by_variant, plot_path, points)
+    lines = [f"## {env}", "", markdown_table(TABLE_HEADER, rows), "",
+             f"![{env}: mean return against steps]({link})", ""]
+    if failures:
+        lines.append("Not finished (stderr.txt and launch.json in each run folder say more):")
+    for r in failures:
+        lines.append(f"- `{r.spec.xpid}`: {r.status}" + (f": {r.short_error}" if r.error else ""))
+    threshold = solved_threshold(env)
+    if reference or threshold is not None:
+        lines += ["", "Reference:"]
+    if reference:
+        lines.append(f"- {reference.source}. {reference.note}")
+    if threshold is not None:
+        lines.append(f"- Gymnasium counts {env} as solved at a mean return of {threshold:g} "
+                     "(its spec's reward_threshold): a definition, not a published result.")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+HOW_TO_READ = (
+    "Final return: `mean_episode_return` of the last logs.csv row that has one (the mean of the "
+    "last 100 training episodes, sampled actions); mean ± sample std (n-1) and min – max over "
+    "seeds. Seeds finished: logs reaching total_steps. Steps reached: the last step logged, "
+    "min – max over seeds. Wall time: mean over seeds, each run from its start to its last "
+    "row, summed over resumes. Eval return: the last `eval_mean_episode_return` (only with "
+    "`--eval_interval_steps`). Curves: each seed interpolated linearly on a common step grid "
+    "(the range all seeds cover); line = mean over seeds, band = min – max over seeds.")
+
+
+def report(args, argv, results, plot_dir, link_base):
+    """The whole markdown report; writes one PNG per env into plot_dir."""
+    by_run = {(r.spec.env, r.spec.variant, r.spec.seed):
+              (r, read_curve(launch.run_dir(r.spec, args.savedir))) for r in results}
+    os.makedirs(plot_dir, exist_ok=True)
+    sections = []
+    for env in launch.split_list(args.envs):
+        plot_path = os.path.join(plot_dir, env.replace("/", "-") + ".png")
+        link = os.path.relpath(plot_path, link_base) if link_base else plot_path
+        sections.append(env_section(env, launch.split_list(args.variants), by_run, plot_path,
+                                    link, args.points))
+    command = shlex.join(["python", "-m", "bench.learn", *argv])
+    return "\n".join([
+        "# Learning benchmark", "",
+        f"`{command}`, {time.strftime('%Y-%m-%d %H:%M')}, runs in `{args.savedir}`.", "",
+        HOW_TO_READ, "", *sections])
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+def describe_steps():
+    """The suite's total_steps as help text, read from SUITE and ENV_DEFAULTS."""
+    envs_by_steps = {}
+    for env, spec in SUITE.items():
+        envs_by_steps.setdefault(spec.total_steps, []).append(env)
+    vector = beast_flags.ENV_DEFAULTS["vector"]["total_steps"]
+    return "; ".join(
+        f"{steps:,} for {', '.join(envs)}" if steps is not None else
+        f"the repo's default for {', '.join(envs)} ({vector:,} for vector tasks)"
+        for steps, envs in envs_by_steps.items())
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.learn",
+        usage="python -m bench.learn [options] [-- flags for every run]",
+        description="Train the learning suite (envs x variants x seeds; resumable) and write "
+                    "a markdown report: final returns over seeds, steps, wall time, and a "
+                    "PNG of the learning curves per environment. Everything after `--` is "
+                    "passed to every run.",
+        formatter_class=beast_flags.HelpFormatter)
+    launch.add_grid_flags(parser, envs=",".join(SUITE), seeds="0,1,2",
+                          savedir="~/logs/beast-learn", total_steps_default=describe_steps())
+    group = parser.add_argument_group("report")
+    group.add_argument("--output", default=None,
+                       help="Markdown report to write (default: print it).")
+    group.add_argument("--plot_dir", default=None,
+                       help="Where the PNGs go (default: plots/ beside --output, or in "
+                            "the savedir when the report is printed).")
+    group.add_argument("--points", type=int, default=200,
+                       help="Steps of the common grid the curves are interpolated on.")
+    group.add_argument("--no_launch", action="store_true",
+                       help="Launch nothing: report on the runs already in the savedir.")
+    return parser
+
+
+def suite_grid(args):
+    """The RunSpecs: the suite's per-env total_steps and args, then the command line's."""
+    envs = launch.split_list(args.envs)
+    return launch.grid_from_args(
+        args,
+        total_steps={env: SUITE[env].total_steps for env in envs if env in SUITE},
+        env_args={env: SUITE[env].args for env in envs if env in SUITE})
+
+
+def run_suite(args, specs):
+    """The RunResults: launched (or, with --no_launch, read from the run folders)."""
+    if args.no_launch:
+        return [launch.load_result(spec, args.savedir) for spec in specs]
+    with launch.stop_on_sigterm():
+        return launch.run_grid(specs, args.savedir, args.parallel,
+                               stop_timeout_s=args.stop_timeout_s)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = launch.parse_args(make_parser(), argv)
+    try:
+        results = run_suite(args, suite_grid(args))
+    except KeyboardInterrupt:
+        launch.progress("stopped; run the same command again to resume")
+        return 130
+    if args.output:
+        base = os.path.dirname(os.path.abspath(args.output))
+        plot_dir = args.plot_dir or os.path.join(base, "plots")
+    else:
+        base, plot_dir = None, args.plot_dir or os.path.join(args.savedir, "plots")
+    text = report(args, argv, results, plot_dir, base)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+        launch.progress(f"wrote {args.output} and the PNGs in {plot_dir}")
+    else:
+        print(text)
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

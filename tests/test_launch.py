@@ -1,0 +1,252 @@
+"""The grid launcher (bench/launch.py) and the learning benchmark's report (bench/learn.py).
+
+The launcher tests start real `python -m monobeast` runs with tiny flags (a few seconds each);
+the aggregation tests read hand-made logs.csv files and launch nothing.
+"""
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from bench import launch, learn
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The brief's tiny runs: a second or two of training each.
+TINY = ["--num_actors", "1", "--unroll_length", "20", "--batch_size", "4",
+        "--log_interval_steps", "500"]
+
+
+def table_rows(report, env):
+    """The data rows of env's table in a report, as lists of cells."""
+    section = report.split(f"## {env}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def cell(row, column):
+    return row[learn.TABLE_HEADER.index(column)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher, end to end.
+
+def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
+    """2 envs x monobeast x 2 seeds: every run finishes, keeps its output in its folder, and
+    a second launch skips them all; the report has a row per variant with both seeds and a
+    PNG per env. Null-v0 gets per-env flags (shorter episodes finish within 2000 steps)."""
+    savedir, output = tmp_path / "runs", tmp_path / "report.md"
+    argv = ["--envs", "CartPole-v1,Null-v0", "--variants", "monobeast", "--seeds", "0,1",
+            "--total_steps", "2000", "--savedir", str(savedir), "--output", str(output),
+            "--parallel", "2", "--env_args", "Null-v0=--envs_per_actor 2", "--", *TINY]
+    first = subprocess.run([sys.executable, "-m", "bench.learn", *argv], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(re.findall(r"\] start \d/4 ", first.stderr)) == 4, first.stderr
+    assert len(re.findall(r"\] done \d/4 ", first.stderr)) == 4, first.stderr
+    for xpid in ("CartPole-v1-monobeast-s0", "CartPole-v1-monobeast-s1",
+                 "Null-v0-monobeast-s0", "Null-v0-monobeast-s1"):
+        for name in ("logs.csv", "stdout.txt", "stderr.txt", "launch.json", "model.tar"):
+            assert (savedir / xpid / name).is_file(), f"{xpid}/{name}"
+    assert "--envs_per_actor 2" in (savedir / "Null-v0-monobeast-s0" / "stderr.txt").read_text()
+
+    assert learn.main(argv) == 0  # again, in this process: nothing left to run
+    assert len(re.findall(r"\] skip \d/4 ", capsys.readouterr().err)) == 4
+    banners = (savedir / "CartPole-v1-monobeast-s0" / "stderr.txt").read_text().count("=== ")
+    assert banners == 1, "a finished run was launched again"
+
+    report = output.read_text()
+    for env in ("CartPole-v1", "Null-v0"):
+        (row,) = table_rows(report, env)
+        assert cell(row, "variant") == "monobeast"
+        assert cell(row, "seeds finished") == "2/2"
+        assert cell(row, "failures") == "0"
+        assert cell(row, "steps reached").endswith("of 2,000")
+        assert cell(row, "final return (mean ± std)") != "n/a"
+        png = tmp_path / "plots" / f"{env}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(plots/{env}.png)" in report
+
+
+def test_failing_runs_are_reported_not_fatal(tmp_path):
+    """A bad flag and an unknown env: both runs fail, the second still runs, and the report
+    and launch.json record each exit with the end of its stderr."""
+    savedir, output = tmp_path / "runs", tmp_path / "report.md"
+    code = learn.main(["--envs", "CartPole-v1,NoSuchEnv-v0", "--variants", "monobeast",
+                       "--seeds", "0", "--total_steps", "2000", "--savedir", str(savedir),
+                       "--output", str(output), "--parallel", "1",
+                       "--env_args", "CartPole-v1=--no_such_flag", "--", *TINY])
+    assert code == 1
+    report = output.read_text()
+    for env in ("CartPole-v1", "NoSuchEnv-v0"):
+        (row,) = table_rows(report, env)
+        assert cell(row, "failures") == "1" and cell(row, "seeds finished") == "0/1"
+        assert (tmp_path / "plots" / f"{env}.png").is_file()
+    assert "unrecognized arguments: --no_such_flag" in report
+    record = json.loads((savedir / "CartPole-v1-monobeast-s0" / "launch.json").read_text())
+    assert record["status"] == "failed" and record["returncode"] == 2
+    assert "--no_such_flag" in record["error"]
+    record = json.loads((savedir / "NoSuchEnv-v0-monobeast-s0" / "launch.json").read_text())
+    assert record["status"] == "failed" and "NoSuchEnv" in record["error"]
+
+
+def _wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_ctrl_c_stops_the_runs_and_the_next_launch_resumes(tmp_path):
+    """Ctrl-C on the launcher: its child checkpoints and exits, its process group is gone and
+    the run is recorded as stopped. Launching again continues from the checkpoint."""
+    savedir = tmp_path / "runs"
+    run_dir = savedir / "CartPole-v1-monobeast-s0"
+    grid = ["--envs", "CartPole-v1", "--variants", "monobeast", "--seeds", "0",
+            "--savedir", str(savedir), "--parallel", "1", "--stop_timeout_s", "30"]
+    launcher = subprocess.Popen([sys.executable, "-m", "bench.launch", *grid, "--total_steps",
+                                 str(10**9), "--", *TINY], cwd=REPO, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        # Once a row is logged the run is training, with its signal handlers in place.
+        _wait_for(lambda: launch.logged_steps(str(run_dir)) > 0, 60, "the first logs.csv row")
+        pid = json.loads((run_dir / "launch.json").read_text())["pid"]
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # no process of the run's session is left
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert record["status"] == "stopped", record
+    stopped_at = int(re.search(r"Trained to step (\d+)", (run_dir / "stderr.txt").read_text())[1])
+
+    total = stopped_at + 1000
+    result = subprocess.run([sys.executable, "-m", "bench.launch", *grid, "--total_steps",
+                             str(total), "--", *TINY], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume from its checkpoint" in result.stderr
+    assert launch.logged_steps(str(run_dir)) >= total
+    resumed = (run_dir / "stderr.txt").read_text().split("=== ")[-1]
+    assert "Trained to step" in resumed and "| done |" in result.stdout
+
+
+def test_a_run_whose_logs_reach_total_steps_is_skipped_without_launching(tmp_path):
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=100)
+    write_logs(tmp_path / spec.xpid, [(1.0, 50, 1.0), (2.0, 100, 2.0)])
+    (result,) = launch.run_grid([spec], tmp_path)
+    assert result.status == "skipped" and result.steps == 100
+    assert not (tmp_path / spec.xpid / "stdout.txt").exists()
+    # Without a total_steps of its own the run's flags.json decides.
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0)
+    assert not launch.is_done(spec, str(tmp_path))  # not known yet: run it
+    (tmp_path / spec.xpid / "flags.json").write_text(json.dumps({"total_steps": 100}))
+    assert launch.is_done(spec, str(tmp_path))
+
+
+def test_grid_flags_make_the_commands_and_report_every_problem():
+    parser = learn.make_parser()
+    args = launch.parse_args(parser, [
+        "--envs", "CartPole-v1,MinAtar/Breakout-v1", "--variants", "monobeast", "--seeds",
+        "3", "--env_args", "MinAtar/Breakout-v1=--num_actors 2 --use_lstm", "--", "--lr_x"])
+    specs = learn.suite_grid(args)
+    assert [s.xpid for s in specs] == ["CartPole-v1-monobeast-s3",
+                                       "MinAtar-Breakout-v1-monobeast-s3"]
+    assert specs[0].total_steps is None  # the repo's default for CartPole
+    assert specs[1].total_steps == learn.MINATAR_STEPS
+    command = specs[1].command("/runs")
+    assert command[1:] == ["-m", "monobeast", "--env", "MinAtar/Breakout-v1", "--seed", "3",
+                           "--xpid", "MinAtar-Breakout-v1-monobeast-s3", "--savedir", "/runs",
+                           "--no_progress", "--total_steps", "5000000", "--lr_x",
+                           "--num_actors", "2", "--use_lstm"]
+    bad = parser.parse_args(["--variants", "tribeast", "--seeds", "a", "--parallel", "0",
+                             "--env_args", "Pong=--x"])
+    problems = launch.grid_problems(bad)
+    assert len(problems) == 4, problems
+    with pytest.raises(ValueError, match="ENV=ARGS"):
+        launch.parse_env_args(["--num_actors 2"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation, on hand-made logs.
+
+def write_logs(path, rows, header=("_time", "step", "mean_episode_return")):
+    os.makedirs(path, exist_ok=True)
+    lines = [",".join(header)] + [",".join("" if v is None else str(v) for v in row)
+                                  for row in rows]
+    (path / "logs.csv").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_read_curve_final_eval_superseded_rows_and_wall_time(tmp_path):
+    """The final return comes from the last row with one (an evaluation row has none); rows a
+    resume made stale are dropped; the wall time runs from each start to its last row."""
+    header = ("_time", "step", "mean_episode_return", "eval_mean_episode_return")
+    run = write_logs(tmp_path / "run", [
+        (100.0, 10, "nan", None),  # no episode has ended yet
+        (110.0, 20, 5.0, None),
+        (120.0, 30, 7.0, None),  # stale: the resume went back to the checkpoint of step 20
+        (120.5, 30, None, 50.0),
+        (500.0, 20, 6.0, None),  # the second start
+        (510.0, 40, 9.0, None),
+        (511.0, 40, None, 60.0),
+    ], header)
+    (run / "meta.json.1").write_text(json.dumps({"start_unix": 95.0}))
+    (run / "meta.json").write_text(json.dumps({"start_unix": 490.0}))
+    curve = learn.read_curve(str(run))
+    assert curve.steps == [20, 40] and curve.returns == [6.0, 9.0]
+    assert curve.final_return == 9.0 and curve.eval_return == 60.0 and curve.last_step == 40
+    assert curve.wall_s == pytest.approx((120.5 - 95.0) + (511.0 - 490.0))
+    # Without meta.json the first row stands for the start, and nothing is stale.
+    os.remove(run / "meta.json")
+    os.remove(run / "meta.json.1")
+    assert learn.read_curve(str(run)).wall_s == pytest.approx(511.0 - 100.0)
+    assert learn.read_curve(str(tmp_path / "nothing")) is None
+
+
+def test_spread_over_seeds():
+    s = learn.spread([1.0, 2.0, 3.0, math.nan])  # a seed without a finished episode
+    assert (s.n, s.mean, s.std, s.lo, s.hi) == (3, 2.0, 1.0, 1.0, 3.0)  # sample std (n-1)
+    one = learn.spread([4.0])
+    assert one.n == 1 and one.mean == 4.0 and math.isnan(one.std)
+    assert learn.spread([]).n == 0
+    assert learn.fmt_spread(s) == "2.0 ± 1.0" and learn.fmt_range(s) == "1.0 – 3.0"
+
+
+def test_band_interpolates_on_the_steps_all_seeds_cover(tmp_path):
+    a = learn.read_curve(str(write_logs(tmp_path / "a", [(1, 100, 0), (2, 200, 10), (3, 300, 20)])))
+    b = learn.read_curve(str(write_logs(tmp_path / "b", [(1, 150, 5), (2, 250, 5), (3, 350, 5)])))
+    grid, mean, lo, hi = learn.band([a, b], points=4)
+    np.testing.assert_allclose(grid, [150, 200, 250, 300])
+    # a at 150, 200, 250, 300: 5, 10, 15, 20 (linear between its points); b is 5 throughout.
+    np.testing.assert_allclose(mean, [5, 7.5, 10, 12.5])
+    np.testing.assert_allclose(lo, [5, 5, 5, 5])
+    np.testing.assert_allclose(hi, [5, 10, 15, 20])
+    c = learn.read_curve(str(write_logs(tmp_path / "c", [(1, 400, 1), (2, 500, 2)])))
+    assert len(learn.common_grid([a, c])) == 0  # no step that both cover
+    assert len(learn.band([a, None], points=4)[0]) == 4  # a seed without logs is left out
+
+
+def test_table_row_counts_finished_seeds_and_failures():
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=100)
+    results = [launch.RunResult(spec, "done", steps=100, target=100),
+               launch.RunResult(spec, "skipped", steps=120, target=100),
+               launch.RunResult(spec, "failed", error="exit status 2", target=100)]
+    curves = [learn.Curve([50, 100], [1.0, 3.0], 100, 10.0),
+              learn.Curve([50, 120], [2.0, 5.0], 120, 20.0), None]
+    row = learn.table_row("monobeast", results, curves, None)
+    assert cell(row, "final return (mean ± std)") == "4.00 ± 1.41 (2 seeds)"
+    assert cell(row, "min – max") == "3.00 – 5.00"
+    assert cell(row, "seeds finished") == "2/3" and cell(row, "failures") == "1"
+    assert cell(row, "steps reached") == "100 – 120 of 100"
+    assert cell(row, "wall time per run") == "15.0 s" and cell(row, "eval return") == "n/a"
