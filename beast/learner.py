@@ -16,8 +16,6 @@ import torch.nn.functional as F
 
 from beast import vtrace
 
-AGENT_KEYS = ("policy_logits", "baseline", "action")
-
 
 def clip_rewards(rewards, mode):
     """rewards: float32 [T, B]; mode: "abs_one" clips to [-1, 1], "none" keeps them."""
