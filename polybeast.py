@@ -70,7 +70,14 @@ def make_parser():
                              "Implies --no_start_servers.")
     parser.add_argument("--connect_timeout_s", type=float, default=60.0,
                         help="End the run when an env server cannot be reached for this long "
-                             "(at the start, or after it went away).")
+                             "(at the start, or after it went away), or when its streams keep "
+                             "ending before a rollout is complete for this long.")
+    parser.add_argument("--stream_timeout_s", type=float, default=30.0,
+                        help="Cancel a stream and reconnect when its env server sends no step "
+                             "for this long (a server that went silent). Only the wait for the "
+                             "server counts, not inference or the learner queue: set it above "
+                             "the slowest environment step (with --envs_per_stream, the whole "
+                             "batch's).")
     # Inference and the learner queue.
     parser.add_argument("--num_inference_threads", type=int, default=1,
                         help="Threads that run the acting model on batches of actor requests.")
@@ -143,6 +150,8 @@ def check_flags(flags, info):
                         f"least --batch_size ({flags.batch_size}).")
     if not flags.connect_timeout_s > 0:
         problems.append(f"--connect_timeout_s must be positive (got {flags.connect_timeout_s}).")
+    if not flags.stream_timeout_s > 0:
+        problems.append(f"--stream_timeout_s must be positive (got {flags.stream_timeout_s}).")
     return problems
 
 
@@ -427,7 +436,7 @@ def create_actor_pool(run, models, addresses):
         unroll_length=flags.unroll_length, learner_queue=learner_queue,
         inference_batcher=inference_batcher, env_server_addresses=addresses,
         initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
-        env_keys=list(run.schema.names("env")))
+        stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")))
     return learner_queue, inference_batcher, actor_pool
 
 

@@ -106,7 +106,6 @@ class EnvFactory:
         self.streams += 1
         if self.flags.envs_per_stream == 1 and self.flags.env_backend == "gymnasium":
             return envs.RolloutAdapter(envs.create_env(self.flags), seed)
-        # Seeds of a vector env grow by 1000 per environment: stay well inside int64.
         return vector_envs.create_vector_env(self.flags, self.flags.envs_per_stream, seed,
                                              name=f"env server {self.server_index}")
 
@@ -128,12 +127,20 @@ def serve(flags, address, server_index=0):
     if in_main_thread:
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: server.stop())
+    owns_address = True
     try:
         server.run()
+    except RuntimeError as error:
+        # Refused because another server listens there: its socket is not ours to remove.
+        owns_address = "address in use" not in str(error)
+        if not owns_address:
+            sys.exit(f"polybeast_env: {error}")
+        raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _remove_socket(address)
+        if owns_address:
+            _remove_socket(address)
 
 
 def _remove_socket(address):

@@ -15,17 +15,35 @@
 // Its last step is step 0 of the next rollout (the overlap that the
 // bootstrap needs), and initial_agent_state is the agent state before step 0.
 //
-// A server that goes away is not an error: the actor logs one line, drops the
+// A server that goes away is not an error: the actor logs a line, drops the
 // rollout in progress, reconnects (gRPC backoff, 100 ms doubling up to 2 s)
-// and starts over with a fresh agent state. Only a server unreachable for
-// connect_timeout_s, a step without one of env_keys, or a bad answer from
-// inference, is fatal: the first such error closes both queues (so every
-// other thread ends) and run() rethrows it.
+// and starts over with a fresh agent state. A server that goes silent counts
+// as gone: run() cancels a stream that has waited stream_timeout_s for its
+// next Step (the wait covers Action write + Step read only, not inference or
+// the learner queue, so a slow but live environment is not cut off). The
+// "lost the env server" line is logged at most once per actor per 5 s
+// (LostLines::kInterval), with the count of lines suppressed since the last.
+//
+// Progress is a complete rollout, not contact. Fatal errors:
+// - no Step for connect_timeout_s (unreachable, or accepts streams but never
+//   answers), at the start or after the server went away;
+// - streams that keep ending before a rollout is complete for connect_timeout_s
+//   since the first contact or the end of the last stream that completed one
+//   (such streams reconnect with the backoff, not at once);
+// - a step without one of env_keys, or a bad answer from inference.
+// The first such error closes both queues (so every other thread ends) and
+// run() rethrows it, naming the server.
+//
+// On a single-environment stream, Action carries the action twice, as
+// `action` (int32, for our older servers) and as `nest_action`, a 0-d int64
+// array, which is all that TorchBeast's servers read. Batched streams send
+// nest_action only, int64 [N].
 //
 // Servers report their environment restarts in Step.env_errors (cumulative
 // per stream); env_errors() sums the increases over all streams.
 #pragma once
 
+#include <cxxabi.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -38,6 +56,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -57,19 +76,22 @@ class ActorPool {
   ActorPool(int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
             std::shared_ptr<DynamicBatcher> inference_batcher,
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
-            std::vector<std::string> env_keys, double connect_timeout_s)
+            std::vector<std::string> env_keys, double connect_timeout_s,
+            double stream_timeout_s)
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
         addresses_(std::move(env_server_addresses)),
         initial_agent_state_(std::move(initial_agent_state)),
         env_keys_(std::move(env_keys)),
-        connect_timeout_(std::chrono::duration<double>(connect_timeout_s)) {
+        connect_timeout_(std::chrono::duration<double>(connect_timeout_s)),
+        stream_timeout_(std::chrono::duration<double>(stream_timeout_s)) {
     if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
     if (!learner_queue_ || !inference_batcher_) {
       throw std::invalid_argument("learner_queue and inference_batcher are required");
     }
-    if (connect_timeout_s <= 0) throw std::invalid_argument("connect_timeout_s must be > 0");
+    if (!(connect_timeout_s > 0)) throw std::invalid_argument("connect_timeout_s must be > 0");
+    if (!(stream_timeout_s > 0)) throw std::invalid_argument("stream_timeout_s must be > 0");
     for (const std::string& key : env_keys_) {
       if (key.empty()) throw std::invalid_argument("env_keys must not contain an empty name");
     }
@@ -78,9 +100,10 @@ class ActorPool {
   ~ActorPool() { close(); }
 
   // Runs one actor thread per address and joins them. Returns when the queues
-  // or the pool are closed; rethrows the first fatal actor error. Calls
-  // check_interrupt (if given) every 100 ms; if it throws, everything is
-  // closed and its exception is rethrown after the join.
+  // or the pool are closed; rethrows the first fatal actor error. Every 100 ms
+  // it cancels the streams that have waited stream_timeout_s for a Step, and
+  // calls check_interrupt (if given); if that throws, everything is closed and
+  // its exception is rethrown after the join.
   void run(const std::function<void()>& check_interrupt = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -96,12 +119,19 @@ class ActorPool {
     std::unique_lock<std::mutex> lock(mu_);
     while (running_ > 0) {
       all_done_.wait_for(lock, std::chrono::milliseconds(100));
+      cancel_silent_streams();
       lock.unlock();
       // Queues closed from outside: also cancel streams to servers that hang.
       if (stopping()) close();
       if (check_interrupt && !interrupt) {
         try {
           check_interrupt();
+        } catch (const abi::__forced_unwind&) {
+          // The interpreter is exiting and ends this thread as it takes the
+          // GIL. The unwind must go on, but not past joinable threads.
+          close_all();
+          for (std::thread& thread : threads) thread.join();
+          throw;
         } catch (...) {
           interrupt = std::current_exception();
           close_all();
@@ -121,8 +151,8 @@ class ActorPool {
   void close() {
     closed_ = true;
     std::lock_guard<std::mutex> lock(mu_);
-    for (grpc::ClientContext* context : live_contexts_) {
-      if (context) context->TryCancel();
+    for (StreamWatch& watch : watches_) {
+      if (watch.context) watch.context->TryCancel();
     }
   }
 
@@ -135,24 +165,67 @@ class ActorPool {
  private:
   using Clock = std::chrono::steady_clock;
 
-  // Registers the stream of actor `index` so that close() can cancel it.
+  // What run() knows of an actor's stream. GUARDED_BY(mu_)
+  struct StreamWatch {
+    grpc::ClientContext* context = nullptr;  // nullptr between streams
+    std::optional<Clock::time_point> waiting_since;  // set while waiting for a Step
+    double cancelled_after_s = 0;  // > 0: run() cancelled it after waiting this long
+  };
+
+  // Registers the stream of actor `index` so that close() can cancel it, and
+  // run() too when a wait for a Step (between waiting(true) and
+  // waiting(false)) lasts longer than stream_timeout_s.
   class LiveStream {
    public:
     LiveStream(ActorPool* pool, size_t index, grpc::ClientContext* context)
         : pool_(pool), index_(index) {
       std::lock_guard<std::mutex> lock(pool_->mu_);
-      pool_->live_contexts_[index_] = context;
+      pool_->watches_[index_] = StreamWatch{context};
       if (pool_->closed_) context->TryCancel();
     }
     ~LiveStream() {
       std::lock_guard<std::mutex> lock(pool_->mu_);
-      pool_->live_contexts_[index_] = nullptr;
+      pool_->watches_[index_] = StreamWatch{};
+    }
+
+    void waiting(bool on) {
+      std::lock_guard<std::mutex> lock(pool_->mu_);
+      pool_->watches_[index_].waiting_since =
+          on ? std::optional<Clock::time_point>(Clock::now()) : std::nullopt;
+    }
+
+    double cancelled_after_s() const {
+      std::lock_guard<std::mutex> lock(pool_->mu_);
+      return pool_->watches_[index_].cancelled_after_s;
     }
 
    private:
     ActorPool* pool_;
     size_t index_;
   };
+
+  // The stream watchdog; run() calls it with mu_ held.
+  void cancel_silent_streams() {
+    const Clock::time_point now = Clock::now();
+    for (StreamWatch& watch : watches_) {
+      if (watch.context && watch.waiting_since && watch.cancelled_after_s == 0 &&
+          now - *watch.waiting_since > stream_timeout_) {
+        watch.cancelled_after_s = seconds(now - *watch.waiting_since);
+        watch.context->TryCancel();
+      }
+    }
+  }
+
+  static double seconds(Clock::duration d) {
+    return std::chrono::duration<double>(d).count();
+  }
+
+  static std::string seconds_str(double s) {
+    std::ostringstream out;
+    out.precision(3);
+    out << s << " s";
+    return out.str();
+  }
 
   bool stopping() const {
     return closed_ || learner_queue_->is_closed() || inference_batcher_->is_closed();
@@ -176,7 +249,74 @@ class ActorPool {
     }
   }
 
+  // How a stream ended.
+  struct StreamEnd {
+    std::string why;  // the gRPC status, or the stream timeout
+    bool timed_out = false;
+    int64_t steps = 0;  // Steps received
+    int64_t rollouts = 0;  // rollouts completed
+    Clock::time_point last_step;  // when the last Step arrived
+  };
+
+  // One actor's "lost the env server" lines: at most one per kInterval.
+  struct LostLines {
+    static constexpr std::chrono::seconds kInterval{5};
+    std::optional<Clock::time_point> last_logged;
+    int64_t suppressed = 0;
+  };
+
+  // Logs `line` unless the last one was less than kInterval ago; says whether it did.
+  bool log_lost(size_t index, LostLines* lines, const std::string& line) const {
+    const Clock::time_point now = Clock::now();
+    if (lines->last_logged && now - *lines->last_logged < LostLines::kInterval) {
+      ++lines->suppressed;
+      return false;
+    }
+    std::string text = line;
+    if (lines->suppressed > 0) {
+      text += " (" + std::to_string(lines->suppressed) + " such line(s) suppressed in the last " +
+              seconds_str(seconds(now - *lines->last_logged)) + ")";
+    }
+    log(index, text);
+    lines->last_logged = now;
+    lines->suppressed = 0;
+    return true;
+  }
+
+  // Throws once the actor has gone connect_timeout_s without progress.
+  // progress: the first contact, or the end of the last stream that completed
+  // a rollout; early_streams: the streams since then that did not.
+  void check_progress(Clock::time_point last_contact,
+                      const std::optional<Clock::time_point>& progress, int64_t early_streams,
+                      const std::string& trouble) const {
+    const Clock::time_point now = Clock::now();
+    if (progress && early_streams > 0 && now - *progress > connect_timeout_) {
+      throw std::runtime_error(
+          "no complete rollout for " + seconds_str(seconds(now - *progress)) +
+          " (connect_timeout_s " + seconds_str(connect_timeout_.count()) + "): " +
+          std::to_string(early_streams) + " stream(s) ended before a rollout of unroll_length " +
+          std::to_string(unroll_length_) + " was complete; the last one: " + trouble);
+    }
+    if (now - last_contact > connect_timeout_) {
+      std::ostringstream message;
+      message << "could not reach the env server for " << connect_timeout_.count() << " s";
+      if (!trouble.empty()) message << " (last problem: " << trouble << ")";
+      throw std::runtime_error(message.str());
+    }
+  }
+
   void actor_loop(size_t index) {
+    // Counts this thread out however it ends, forced unwinds included.
+    struct Ended {
+      ActorPool* pool;
+      ~Ended() {
+        {
+          std::lock_guard<std::mutex> lock(pool->mu_);
+          --pool->running_;
+        }
+        pool->all_done_.notify_all();
+      }
+    } ended{this};
     try {
       grpc::ChannelArguments args;
       // A local subchannel pool keeps this channel's reconnect backoff its own.
@@ -190,31 +330,44 @@ class ActorPool {
           grpc::CreateCustomChannel(addresses_[index], grpc::InsecureChannelCredentials(), args);
       auto stub = rpcenv::RPCEnvServer::NewStub(channel);
 
-      Clock::time_point last_contact = Clock::now();
+      Clock::time_point last_contact = Clock::now();  // the last Step received
+      std::optional<Clock::time_point> progress;  // see check_progress
+      int64_t early_streams = 0;
       Clock::duration backoff = std::chrono::milliseconds(100);
       std::string trouble;  // why the last stream ended; empty before the first
+      LostLines lost_lines;
+      bool announce = false;  // log "reconnected" when the next stream answers
       while (!stopping()) {
-        if (Clock::now() - last_contact > connect_timeout_) {
-          std::ostringstream message;
-          message << "could not reach the env server for " << connect_timeout_.count() << " s";
-          if (!trouble.empty()) message << " (last problem: " << trouble << ")";
-          throw std::runtime_error(message.str());
-        }
+        check_progress(last_contact, progress, early_streams, trouble);
         auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
         if (!channel->WaitForConnected(deadline)) continue;
-        bool got_steps = false;
-        trouble = run_stream(index, stub.get(), !trouble.empty(), &got_steps);
+        const Clock::time_point started = Clock::now();
+        StreamEnd end = run_stream(index, stub.get(), announce);
         if (stopping()) break;
-        if (got_steps) {
-          last_contact = Clock::now();
+        trouble = end.why;
+        announce = false;
+        if (end.steps > 0) {
+          last_contact = end.last_step;
+          if (!progress) progress = started;
+        }
+        if (end.steps > 0 || end.timed_out) {
+          announce = log_lost(index, &lost_lines, "lost the env server (" + trouble +
+                                                      "); reconnecting");
+        }
+        if (end.rollouts > 0) {
+          progress = Clock::now();
+          early_streams = 0;
           backoff = std::chrono::milliseconds(100);
-          log(index, "lost the env server (" + trouble + "); reconnecting");
         } else {
-          // Connected but the stream failed at once (e.g. the env failed to start).
+          // Contact without a rollout is no progress: retry, but not at once.
+          ++early_streams;
           sleep_unless_stopping(backoff);
           backoff = std::min<Clock::duration>(2 * backoff, std::chrono::seconds(2));
         }
       }
+    } catch (const abi::__forced_unwind&) {
+      close_all();
+      throw;
     } catch (const ClosedBatchingQueue&) {
       // The queues were closed: a normal shutdown.
     } catch (const std::exception& e) {
@@ -222,11 +375,6 @@ class ActorPool {
     } catch (...) {
       fail(index, "unknown error");
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --running_;
-    }
-    all_done_.notify_all();
   }
 
   void fail(size_t index, const std::string& what) {
@@ -242,24 +390,44 @@ class ActorPool {
     close_all();
   }
 
-  // Steps one environment over one stream until the stream breaks, and says
-  // why it broke. Throws ClosedBatchingQueue on shutdown; other exceptions
-  // are fatal.
-  std::string run_stream(size_t index, rpcenv::RPCEnvServer::Stub* stub, bool reconnecting,
-                         bool* got_steps) {
+  // Steps one environment (or a batch) over one stream until the stream
+  // breaks, and says how it ended. Throws ClosedBatchingQueue on shutdown;
+  // other exceptions are fatal.
+  StreamEnd run_stream(size_t index, rpcenv::RPCEnvServer::Stub* stub, bool announce) {
+    StreamEnd end;
     grpc::ClientContext context;
     LiveStream live(this, index, &context);
+    live.waiting(true);  // the wait for the first Step starts with the stream
     auto stream = stub->StreamingEnv(&context);
-    auto broken = [&stream]() -> std::string {
+    auto finish = [&]() {
       grpc::Status status = stream->Finish();
-      if (status.ok()) return "the server ended the stream";
-      return status.error_message() + ", gRPC code " + std::to_string(status.error_code());
+      double waited_s = live.cancelled_after_s();
+      if (waited_s > 0) {
+        end.timed_out = true;
+        end.why = "no Step for " + seconds_str(waited_s) + ", more than stream_timeout_s " +
+                  seconds_str(stream_timeout_.count()) + "; cancelled the stream";
+      } else if (status.ok()) {
+        end.why = "the server ended the stream";
+      } else {
+        end.why = status.error_message() + ", gRPC code " + std::to_string(status.error_code());
+      }
+      return end;
+    };
+    // The wait for a Step, the only time the stream timeout counts.
+    auto next_step = [&](const rpcenv::Action* action, rpcenv::Step* step) {
+      if (action) live.waiting(true);
+      bool ok = (!action || stream->Write(*action)) && stream->Read(step);
+      live.waiting(false);
+      if (ok) {
+        ++end.steps;
+        end.last_step = Clock::now();
+      }
+      return ok;
     };
     try {
       rpcenv::Step step;
-      if (!stream->Read(&step)) return broken();
-      *got_steps = true;
-      if (reconnecting) log(index, "reconnected");
+      if (!next_step(nullptr, &step)) return finish();
+      if (announce) log(index, "reconnected");
 
       Nest agent_state;
       int64_t num_envs = 0;  // environments on this stream, known from the first step
@@ -291,6 +459,7 @@ class ActorPool {
         rollout.push_back(merged(env_outputs, *agent_outputs));
         if (static_cast<int64_t>(rollout.size()) == unroll_length_ + 1) {
           enqueue_rollouts(concat(rollout, 0), rollout_state, num_envs);
+          ++end.rollouts;
           rollout.erase(rollout.begin(), rollout.end() - 1);
           rollout_state = agent_state;  // still the state before the overlapping step
         }
@@ -301,15 +470,19 @@ class ActorPool {
           flat.shape = {num_envs};
           nest_to_proto(Nest::of(std::move(flat)), action.mutable_nest_action());
         } else {
+          // TorchBeast's servers read only nest_action (and call int() on it);
+          // ours, and older clients', read `action`.
           last_action = to_int64(actions, "agent output 'action'");
           action.set_action(static_cast<int32_t>(last_action));
+          nest_to_proto(Nest::of(filled_array<int64_t>(dtypes::kInt64, last_action, {})),
+                        action.mutable_nest_action());
         }
         agent_state = std::move(answer.items[1]);
 
-        if (!stream->Write(action) || !stream->Read(&step)) return broken();
+        if (!next_step(&action, &step)) return finish();
         count_.fetch_add(num_envs);
       }
-    } catch (...) {
+    } catch (...) {  // rethrows everything, forced unwinds included
       context.TryCancel();
       stream->Finish();
       throw;
@@ -424,6 +597,7 @@ class ActorPool {
     put("reward", filled_array<float>(dtypes::kFloat32, step->reward(), one));
     put("done", filled_array<bool>(dtypes::kBool, step->done(), one));
     put("game_over", filled_array<bool>(dtypes::kBool, game_over, one));
+    put("truncated", filled_array<bool>(dtypes::kBool, step->truncated(), one));
     put("episode_return", filled_array<float>(dtypes::kFloat32, step->episode_return(), one));
     put("episode_step", filled_array<int32_t>(dtypes::kInt32, step->episode_step(), one));
     put("last_action", filled_array<int64_t>(dtypes::kInt64, last_action, one));
@@ -451,6 +625,7 @@ class ActorPool {
   const Nest initial_agent_state_;
   const std::vector<std::string> env_keys_;  // names every env step must carry
   const std::chrono::duration<double> connect_timeout_;
+  const std::chrono::duration<double> stream_timeout_;
 
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases
@@ -460,9 +635,8 @@ class ActorPool {
   bool started_ = false;  // GUARDED_BY(mu_)
   size_t running_ = 0;  // GUARDED_BY(mu_); actor threads not yet ended
   std::exception_ptr first_error_;  // GUARDED_BY(mu_)
-  // The stream of each actor, or nullptr between streams. GUARDED_BY(mu_)
-  std::vector<grpc::ClientContext*> live_contexts_ =
-      std::vector<grpc::ClientContext*>(addresses_.size(), nullptr);
+  std::vector<StreamWatch> watches_ =
+      std::vector<StreamWatch>(addresses_.size());  // GUARDED_BY(mu_); one per actor
 };
 
 }  // namespace beast

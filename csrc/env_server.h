@@ -21,19 +21,39 @@
 // actions. Its own `restarts` attribute, if any (the environments it
 // restarted itself), adds to env_errors.
 //
+// An address in use is refused: TCP ports are bound without SO_REUSEPORT
+// (gRPC's default would let a second server share the port and split the
+// connections), and a unix socket file that accepts connections is not
+// replaced (gRPC would unlink it and take over); a stale one is.
+//
+// A client that dies or drops off the network mid-stream is noticed by HTTP/2
+// keepalive: a client with open streams is pinged every keepalive_s, and one
+// that does not answer within keepalive_s is dropped, ending its streams and
+// closing their environments. A live client that is slow to send its next
+// Action (a busy learner) answers pings, and is waited for.
+//
 // gRPC threads take the GIL only around Python calls and drop every Python
 // object while holding it. Stop the server (stop() / leaving run()) before
-// the interpreter exits.
+// the interpreter exits: gRPC's handler threads end on a catch (...) of their
+// own, which a thread that the exiting interpreter ends cannot pass.
 #pragma once
 
+#include <cxxabi.h>
+#include <errno.h>
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <poll.h>
 #include <pybind11/pybind11.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -49,25 +69,48 @@ namespace beast {
 
 class EnvServer {
  public:
-  EnvServer(py::object env_factory, std::string address)
-      : env_factory_(std::move(env_factory)), address_(std::move(address)) {}
+  EnvServer(py::object env_factory, std::string address, double keepalive_s = 10.0)
+      : env_factory_(std::move(env_factory)), address_(std::move(address)),
+        keepalive_ms_(static_cast<int>(keepalive_s * 1000)) {
+    if (!(keepalive_s >= 0.001 && keepalive_s <= 86400)) {
+      throw std::invalid_argument("keepalive_s must be between 0.001 and 86400");
+    }
+  }
   // Called with the GIL held; run() cannot be active (it holds a reference).
   ~EnvServer() { stop(); }
 
-  // Serves until stop(). Returns at once if stop() came first. Calls
-  // check_interrupt (if given) every 100 ms; if it throws, the server stops
-  // and its exception is rethrown.
+  // Serves until stop(). Returns at once if stop() came first. Raises if the
+  // address is in use or cannot be bound. Calls check_interrupt (if given)
+  // every 100 ms; if it throws, the server stops and its exception is rethrown.
   void run(const std::function<void()>& check_interrupt = nullptr) {
+    const std::string in_use = "EnvServer: address in use: " + address_ +
+                               "; another env server listens there? stop it or pick another "
+                               "address";
+    // gRPC unlinks an existing socket file before binding to its path.
+    if (address_.rfind("unix:", 0) == 0 && accepts_connections(address_)) {
+      throw std::runtime_error(in_use);
+    }
     grpc::ServerBuilder builder;
     builder.AddListeningPort(address_, grpc::InsecureServerCredentials());
     builder.RegisterService(&service_);
     builder.SetMaxReceiveMessageSize(-1);
     builder.SetMaxSendMessageSize(-1);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms_);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms_);
+    // Keep pinging while a stream waits for its client (no data either way).
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (!server) {
+      if (accepts_connections(address_)) throw std::runtime_error(in_use);
       throw std::runtime_error("EnvServer: could not listen on '" + address_ +
                                "' (address in use, bad address, or directory not writable?)");
     }
+    // Streams wait on their clients; the deadline cancels them.
+    auto shutdown = [&server]() {
+      server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+      server->Wait();
+    };
     std::exception_ptr interrupt;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -77,6 +120,11 @@ class EnvServer {
           lock.unlock();
           try {
             check_interrupt();
+          } catch (const abi::__forced_unwind&) {
+            // The interpreter is exiting and ends this thread as it takes the
+            // GIL; ~Server would wait for the streams forever.
+            shutdown();
+            throw;
           } catch (...) {
             interrupt = std::current_exception();
           }
@@ -85,9 +133,7 @@ class EnvServer {
         }
       }
     }
-    // Streams wait on their clients forever; the deadline cancels them.
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
-    server->Wait();
+    shutdown();
     if (interrupt) std::rethrow_exception(interrupt);
   }
 
@@ -103,6 +149,52 @@ class EnvServer {
   const std::string& address() const { return address_; }
 
  private:
+  // Whether something accepts a connection at `address` ("unix:PATH",
+  // "unix://PATH" or "HOST:PORT"); false for an address it cannot parse.
+  static bool accepts_connections(const std::string& address) {
+    if (address.rfind("unix:", 0) == 0) {
+      std::string path = address.substr(5);
+      if (path.rfind("//", 0) == 0) path = path.substr(2);
+      sockaddr_un addr{};
+      if (path.empty() || path.size() >= sizeof(addr.sun_path)) return false;
+      addr.sun_family = AF_UNIX;
+      std::memcpy(addr.sun_path, path.data(), path.size());
+      int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) return false;
+      int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      int error = errno;
+      ::close(fd);
+      // EAGAIN: a listener whose backlog is full.
+      return rc == 0 || error == EAGAIN;
+    }
+    size_t colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0) return false;
+    std::string host = address.substr(0, colon), port = address.substr(colon + 1);
+    if (host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0) return false;
+    bool accepted = false;
+    for (addrinfo* a = found; a && !accepted; a = a->ai_next) {
+      int fd =
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+      if (fd < 0) continue;
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        accepted = true;
+      } else if (errno == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        int error = 0;
+        socklen_t length = sizeof(error);
+        accepted = ::poll(&p, 1, 1000) == 1 &&
+                   getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
+      }
+      ::close(fd);
+    }
+    freeaddrinfo(found);
+    return accepted;
+  }
+
   // One Python adapter; every method takes the GIL itself.
   class Session {
    public:
@@ -124,7 +216,10 @@ class EnvServer {
     void step(rpcenv::Action* action, rpcenv::Step* step) {
       py::gil_scoped_acquire gil;
       try {
-        py::object a = action->has_nest_action()
+        // Our actors send a single environment's action twice: `action` (an
+        // int for the adapter) and nest_action (for TorchBeast's servers).
+        bool use_nest = action->has_nest_action() && (batched_ || !action->has_action());
+        py::object a = use_nest
                            ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
                            : py::int_(action->action());
         fill(env_.attr("step")(a), step);
@@ -170,7 +265,7 @@ class EnvServer {
       }
     }
 
-    // result: a dict with frame, reward, done, game_over (optional),
+    // result: a dict with frame, reward, done, game_over and truncated (optional),
     // episode_return and episode_step for Step's fixed fields; every other key
     // but last_action goes into Step.extras, its value an array or a scalar.
     static void fill_step(py::handle result, rpcenv::Step* step) {
@@ -189,10 +284,12 @@ class EnvServer {
       step->set_reward(py::cast<float>(get("reward")));
       step->set_done(py::cast<bool>(get("done")));
       if (d.contains("game_over")) step->set_game_over(py::cast<bool>(d["game_over"]));
+      if (d.contains("truncated")) step->set_truncated(py::cast<bool>(d["truncated"]));
       step->set_episode_return(py::cast<float>(get("episode_return")));
       step->set_episode_step(py::cast<int32_t>(get("episode_step")));
       static const std::vector<std::string> not_extras = {
-          "frame", "reward", "done", "game_over", "episode_return", "episode_step", "last_action"};
+          "frame",        "reward",       "done",       "game_over",
+          "truncated",    "episode_return", "episode_step", "last_action"};
       for (auto [key, value] : d) {
         if (!py::isinstance<py::str>(key)) {
           throw std::invalid_argument("the adapter's step dict has a key that is not a str");
@@ -250,6 +347,7 @@ class EnvServer {
 
   py::object env_factory_;  // touched only with the GIL held
   const std::string address_;
+  const int keepalive_ms_;
   Service service_{this};
   std::mutex mu_;
   std::condition_variable stop_cv_;

@@ -4,6 +4,7 @@
 // Every binding that can block releases the GIL. Nests are converted from
 // Python (a copy) while holding it, and back to numpy arrays that own the C++
 // buffer (no copy).
+#include <cxxabi.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -35,6 +36,21 @@ using release_gil = py::call_guard<py::gil_scoped_release>;
 void check_signals() {
   py::gil_scoped_acquire gil;
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+}
+
+// Runs a long C++ wait that calls check_signals, without the GIL. At
+// interpreter exit, taking the GIL ends the thread with a forced unwind
+// (abi::__forced_unwind), which must go on without the guard taking the GIL
+// once more: its destructor would, and the process would abort.
+template <typename Wait>
+void wait_without_gil(Wait&& wait) {
+  py::gil_scoped_release release;
+  try {
+    wait();
+  } catch (const abi::__forced_unwind&) {
+    release.disarm();
+    throw;
+  }
 }
 
 BatchingOptions batching_options(int64_t minimum_batch_size, int64_t maximum_batch_size,
@@ -179,26 +195,36 @@ PYBIND11_MODULE(libpolybeast, m) {
       "so an environment-side rollout field needs no C++ change; a step that lacks\n"
       "one of env_keys (list of str) fails the run naming the key and the server.\n"
       "Every array of a step is [1, 1, ...]; a rollout is a dict of [T+1, 1, ...]\n"
-      "arrays (T = unroll_length) whose last step is step 0 of the next one.")
+      "arrays (T = unroll_length) whose last step is step 0 of the next one.\n"
+      "A single environment's action goes out as Action.action (int32) and as\n"
+      "Action.nest_action (a 0-d int64 array, what TorchBeast's servers read).\n\n"
+      "A server that ends the stream, or sends no Step for stream_timeout_s (only the\n"
+      "wait for the server counts, not inference or the learner queue), is reconnected\n"
+      "to with a fresh agent state; 'lost the env server' is logged at most once per\n"
+      "actor per 5 s. The run fails (see run()) when an actor gets no Step for\n"
+      "connect_timeout_s, or when its streams keep ending before a rollout is\n"
+      "complete for connect_timeout_s.")
       .def(py::init([](int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
                        std::shared_ptr<DynamicBatcher> inference_batcher,
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
-                       double connect_timeout_s) {
+                       double connect_timeout_s, double stream_timeout_s) {
              return std::make_unique<ActorPool>(
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
-                 std::move(env_keys), connect_timeout_s);
+                 std::move(env_keys), connect_timeout_s, stream_timeout_s);
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
            py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
-           py::arg("connect_timeout_s") = 60.0)
+           py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0)
       .def(
-          "run", [](ActorPool& pool) { pool.run(check_signals); }, release_gil(),
+          "run", [](ActorPool& pool) { wait_without_gil([&] { pool.run(check_signals); }); },
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
-          "naming the address for the first actor that failed (an env server unreachable\n"
-          "for connect_timeout_s, a step without one of env_keys, a bad inference answer);\n"
-          "that also closes both queues.")
+          "naming the address for the first actor that failed: an env server that sent\n"
+          "no Step for connect_timeout_s; streams that kept ending before a rollout was\n"
+          "complete for connect_timeout_s (the message counts them and gives the last\n"
+          "reason); a step without one of env_keys; a bad inference answer. That also\n"
+          "closes both queues.")
       .def("count", &ActorPool::count, "Environment steps taken so far.")
       .def("env_errors", &ActorPool::env_errors,
            "Environment restarts after errors so far, as the env servers report them\n"
@@ -217,12 +243,18 @@ PYBIND11_MODULE(libpolybeast, m) {
       "many environments: its dicts of [num_envs, ...] arrays travel whole as\n"
       "Step.batch, and step() gets an int64 array of actions. An adapter that raises\n"
       "in step() is replaced; each Step reports the restarts so far (Step.env_errors,\n"
-      "plus a batched adapter's own `restarts` attribute if it has one).")
-      .def(py::init<py::object, std::string>(), py::arg("env_factory"),
-           py::arg("server_address"))
+      "plus a batched adapter's own `restarts` attribute if it has one). A single\n"
+      "environment's step() gets Action.action (an int) if the client sent it, else\n"
+      "nest_action as a numpy array.\n\n"
+      "Clients with open streams are pinged every keepalive_s seconds; one that does\n"
+      "not answer within keepalive_s is dropped and its environments closed.")
+      .def(py::init<py::object, std::string, double>(), py::arg("env_factory"),
+           py::arg("server_address"), py::arg("keepalive_s") = 10.0)
       .def(
-          "run", [](EnvServer& server) { server.run(check_signals); }, release_gil(),
-          "Serves until stop(). Raises RuntimeError if the address cannot be bound.")
+          "run", [](EnvServer& server) { wait_without_gil([&] { server.run(check_signals); }); },
+          "Serves until stop(). Raises RuntimeError if the address cannot be bound, or\n"
+          "'address in use: <address>; ...' if another server listens there (a TCP\n"
+          "port is never shared; a unix socket file is replaced only if nobody listens).")
       .def("stop", &EnvServer::stop, release_gil(), "Makes run() return; idempotent.")
       .def_property_readonly("address", &EnvServer::address);
 }

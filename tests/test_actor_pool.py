@@ -1,7 +1,12 @@
 """libpolybeast.ActorPool against EnvServers in this process: rollout layout, the overlap between
 consecutive unrolls, episode boundaries, agent state, extra environment fields, environment error
-counts, a server restart, and shutdown."""
+counts, a server restart, and shutdown. Against broken TorchBeast-like servers
+(tests/torchbeast_server.py): streams that go silent (stream_timeout_s) or end before a rollout is
+complete (no progress, connect_timeout_s), and the rate-limited log. And interpreter exit while
+run() is active."""
 
+import pathlib
+import re
 import threading
 import time
 
@@ -10,6 +15,7 @@ import pytest
 
 import libpolybeast
 from libpolybeast import ActorPool, BatchingQueue, DynamicBatcher, EnvServer
+from torchbeast_server import LivesEnv, TorchBeastServer, rpcenv_modules
 
 JOIN_TIMEOUT_S = 30
 WAIT_S = 60  # upper bound for rollouts to arrive; never reached when things work
@@ -159,13 +165,15 @@ def policy(frame):
     return (frame[..., 2] * 7 + frame[..., 3]) % NUM_ACTIONS
 
 
-def inference_loop(batcher, errors):
-    """Answers with a deterministic action; agent state = number of steps computed; the state
-    each step saw is echoed as 'state_seen' so the test can line it up with the rollout."""
+def inference_loop(batcher, errors, delay_s=0.0):
+    """Answers with a deterministic action (after delay_s); agent state = number of steps
+    computed; the state each step saw is echoed as 'state_seen' so the test can line it up
+    with the rollout."""
     try:
         for batch in batcher:
             env_outputs, state = batch.get_inputs()
             frame = env_outputs["frame"]  # [1, B, 4]
+            time.sleep(delay_s)
             batch.set_outputs((
                 dict(action=policy(frame).astype(np.int64),
                      policy_logits=np.zeros(frame.shape[:2] + (NUM_ACTIONS,), np.float32),
@@ -178,27 +186,36 @@ def inference_loop(batcher, errors):
 
 
 class Pool:
-    """Servers, an inference thread, the pool, and a thread that collects rollouts."""
+    """Servers (or the given addresses), an inference thread, the pool, and a thread that
+    collects rollouts while `collecting` is set."""
 
     def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None,
-                 extras=False, flaky=False, env_keys=ENV_KEYS):
-        self.servers = [Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
-                        for i in range(num_servers)]
+                 extras=False, flaky=False, env_keys=ENV_KEYS, addresses=None,
+                 unroll_length=UNROLL_LENGTH, stream_timeout_s=30.0, inference_delay_s=0.0,
+                 learner_queue_size=8, collecting=True):
+        self.servers = [] if addresses is not None else [
+            Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
+            for i in range(num_servers)]
+        addresses = addresses or [s.address for s in self.servers]
         self.learner_queue = BatchingQueue(batch_dim=1, minimum_batch_size=1,
-                                           maximum_batch_size=1, maximum_queue_size=8)
+                                           maximum_batch_size=1,
+                                           maximum_queue_size=learner_queue_size)
         self.batcher = DynamicBatcher(batch_dim=1, minimum_batch_size=1, maximum_batch_size=4,
                                       timeout_ms=5)
         self.initial_state = np.zeros((1, 1, 1), np.float32)  # [layers, B, hidden]
         self.pool = ActorPool(
-            unroll_length=UNROLL_LENGTH, learner_queue=self.learner_queue,
-            inference_batcher=self.batcher,
-            env_server_addresses=[s.address for s in self.servers],
+            unroll_length=unroll_length, learner_queue=self.learner_queue,
+            inference_batcher=self.batcher, env_server_addresses=addresses,
             initial_agent_state=self.initial_state, env_keys=list(env_keys),
-            connect_timeout_s=connect_timeout_s)
+            connect_timeout_s=connect_timeout_s, stream_timeout_s=stream_timeout_s)
         self.errors, self.run_errors = [], []
         self.rollouts = []  # (rollout dict, initial agent state), in arrival order
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=inference_loop, args=(self.batcher, self.errors),
+        self.collecting = threading.Event()
+        if collecting:
+            self.collecting.set()
+        self.threads = [threading.Thread(target=inference_loop,
+                                         args=(self.batcher, self.errors, inference_delay_s),
                                          daemon=True),
                         threading.Thread(target=self._collect, daemon=True)]
         self.pool_thread = threading.Thread(target=self._run, daemon=True)
@@ -212,7 +229,15 @@ class Pool:
             self.run_errors.append(error)
 
     def _collect(self):
-        for rollout, state in self.learner_queue:
+        rollouts = iter(self.learner_queue)
+        while True:
+            while not self.collecting.wait(0.05):
+                if self.learner_queue.is_closed():
+                    return
+            try:
+                rollout, state = next(rollouts)
+            except StopIteration:
+                return
             with self.lock:
                 self.rollouts.append((rollout, state))
 
@@ -301,6 +326,8 @@ def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path):
         "reward": ((T + 1, 1), np.float32),
         "done": ((T + 1, 1), np.bool_),
         "game_over": ((T + 1, 1), np.bool_),
+        # Absent from the wire (the adapter has no time limit): false, as TorchBeast means.
+        "truncated": ((T + 1, 1), np.bool_),
         "episode_return": ((T + 1, 1), np.float32),
         "episode_step": ((T + 1, 1), np.int32),
         "last_action": ((T + 1, 1), np.int64),
@@ -433,6 +460,10 @@ def test_constructor_checks_arguments():
     queue, batcher = BatchingQueue(), DynamicBatcher()
     with pytest.raises(ValueError, match="unroll_length"):
         ActorPool(0, queue, batcher, ["unix:/x"], (), ENV_KEYS)
+    for timeout in ("connect_timeout_s", "stream_timeout_s"):
+        for value in (0.0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match=timeout):
+                ActorPool(1, queue, batcher, ["unix:/x"], (), ENV_KEYS, **{timeout: value})
     with pytest.raises(ValueError, match="env_keys"):
         ActorPool(1, queue, batcher, ["unix:/x"], (), ["frame", ""])
     with pytest.raises(TypeError):  # env_keys is required
@@ -499,3 +530,169 @@ def test_env_errors_count_restarts_of_flaky_adapters(tmp_path, envs_per_stream, 
         pool.shutdown()
     assert all(server.adapters == FLAKY_ADAPTERS + 1 for server in pool.servers)
     assert "crashed" in capfd.readouterr().err
+
+
+# Servers that go silent, or end their streams too early: see tests/torchbeast_server.py.
+
+@pytest.fixture(scope="module")
+def rpcenv(tmp_path_factory):
+    """The Python protobuf/gRPC modules generated from csrc/rpcenv.proto."""
+    return rpcenv_modules(tmp_path_factory.mktemp("rpcenv_stubs"))
+
+
+def lost_lines(err):
+    return [line for line in err.splitlines() if "lost the env server" in line]
+
+
+def test_silent_stream_is_cancelled_and_the_actor_reconnects(tmp_path, rpcenv, capfd):
+    """A server that stops answering after 3 Steps (one rollout of 2 steps) each stream: the
+    actor cancels the stream after stream_timeout_s, says so, and goes on with a new one."""
+    address = f"unix:{tmp_path}/silent.sock"
+    server = TorchBeastServer(rpcenv, address, steps_per_stream=3, then="hang")
+    pool = Pool(tmp_path, addresses=[address], unroll_length=2, stream_timeout_s=0.5)
+    try:
+        pool.wait_for(lambda rs: len(rs) >= 3, "a rollout from each of 3 streams")
+    finally:
+        pool.shutdown()
+        server.stop()
+    assert pool.run_errors == []
+    assert len(server.envs) >= 3
+    for rollout, _ in pool.rollouts:  # each stream has a fresh env and gives one rollout
+        np.testing.assert_array_equal(rollout["frame"][:, 0, 0], [0, 1, 2])
+    lines = lost_lines(capfd.readouterr().err)
+    assert lines, "the stream timeout was not logged"
+    assert re.search(rf"\({re.escape(address)}\): lost the env server \(no Step for [0-9.]+ s, "
+                     r"more than stream_timeout_s 0.5 s; cancelled the stream\)", lines[0]), lines
+
+
+@pytest.mark.parametrize("steps_per_stream", [0, 2], ids=["no-step", "silent-mid-rollout"])
+def test_server_that_goes_silent_every_time_fails_the_run(tmp_path, rpcenv, steps_per_stream):
+    """Accepting streams but never sending a Step is no contact; going silent before a rollout
+    is complete is no progress. Either ends the run after connect_timeout_s, naming why."""
+    address = f"unix:{tmp_path}/silent.sock"
+    server = TorchBeastServer(rpcenv, address, steps_per_stream=steps_per_stream, then="hang")
+    pool = Pool(tmp_path, addresses=[address], unroll_length=4, stream_timeout_s=0.3,
+                connect_timeout_s=1.0)
+    try:
+        pool.pool_thread.join(JOIN_TIMEOUT_S)
+        assert not pool.pool_thread.is_alive(), "ActorPool.run() did not fail"
+    finally:
+        pool.shutdown()
+        server.stop()
+    assert pool.rollouts == [] and len(pool.run_errors) == 1
+    message = str(pool.run_errors[0])
+    assert address in message and "more than stream_timeout_s 0.3 s" in message, message
+    if steps_per_stream == 0:
+        assert "could not reach the env server for 1 s (last problem: no Step for" in message
+    else:
+        assert re.search(r"no complete rollout for [0-9.]+ s \(connect_timeout_s 1 s\): "
+                         r"\d+ stream\(s\) ended before a rollout of unroll_length 4 was "
+                         r"complete; the last one: no Step for", message), message
+
+
+def test_streams_that_end_before_a_rollout_fail_the_run(tmp_path, rpcenv, capfd):
+    """A server that ends every stream after 2 Steps (a rollout needs 5): no progress, so
+    the run ends after connect_timeout_s with the count of such streams and the last reason;
+    meanwhile at most one "lost" line per 5 s, with the count of those suppressed."""
+    address = f"unix:{tmp_path}/short.sock"
+    server = TorchBeastServer(rpcenv, address, steps_per_stream=2, then="end")
+    started = time.monotonic()
+    pool = Pool(tmp_path, addresses=[address], unroll_length=4, connect_timeout_s=6.5)
+    try:
+        pool.pool_thread.join(JOIN_TIMEOUT_S)
+        assert not pool.pool_thread.is_alive(), "ActorPool.run() did not fail"
+    finally:
+        pool.shutdown()
+        server.stop()
+    assert time.monotonic() - started >= 6.5
+    assert pool.rollouts == [] and len(pool.run_errors) == 1
+    message = str(pool.run_errors[0])
+    match = re.search(rf"'{re.escape(address)}' failed: no complete rollout for [0-9.]+ s "
+                      r"\(connect_timeout_s 6.5 s\): (\d+) stream\(s\) ended before a rollout "
+                      r"of unroll_length 4 was complete; the last one: the server ended the "
+                      r"stream", message)
+    assert match, message
+    # Reconnects back off (0.1 s doubling to 2 s) when a stream gave no rollout.
+    streams = int(match.group(1))
+    assert streams == len(server.envs) and 5 <= streams <= 10, streams
+    lines = lost_lines(capfd.readouterr().err)
+    assert len(lines) == 2, lines
+    assert "suppressed" not in lines[0]
+    assert re.search(r"\((\d+) such line\(s\) suppressed in the last [0-9.]+ s\)$", lines[1])
+
+
+def test_time_in_inference_or_the_learner_queue_does_not_count_as_silence(tmp_path, rpcenv,
+                                                                           capfd):
+    """A slow but live environment (0.2 s a step), inference slower than the stream timeout,
+    and a learner queue that stays full for longer than it: the stream is never cancelled."""
+
+    class SlowLivesEnv(LivesEnv):
+        def step(self, action):
+            time.sleep(0.2)
+            return super().step(action)
+
+    address = f"unix:{tmp_path}/slow.sock"
+    server = TorchBeastServer(rpcenv, address, env_factory=SlowLivesEnv)
+    pool = Pool(tmp_path, addresses=[address], unroll_length=1, stream_timeout_s=0.6,
+                inference_delay_s=0.8, learner_queue_size=1, collecting=False)
+    try:
+        # One rollout waits in the queue and the actor blocks on the next one.
+        deadline = time.monotonic() + WAIT_S
+        while pool.learner_queue.size() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(2.5)  # the second rollout is ready at about 2 s; then the actor waits
+        assert pool.pool.count() == 2, "the actor did not wait on the full learner queue"
+        pool.collecting.set()
+        pool.wait_for(lambda rs: len(rs) >= 3, "3 rollouts")
+    finally:
+        pool.shutdown()
+        server.stop()
+    assert len(server.envs) == 1, "the stream was cancelled"
+    frames = [rollout["frame"][:, 0, 0].tolist() for rollout, _ in pool.rollouts[:3]]
+    assert frames == [[0, 1], [1, 2], [2, 3]]
+    assert lost_lines(capfd.readouterr().err) == []
+
+
+EXIT_DURING_RUN = """
+import threading
+import time
+
+import libpolybeast
+
+
+class SlowFinalization:
+    '''Holds the GIL for 0.5 s once the interpreter is finalizing: run()'s thread, which takes
+    the GIL every 100 ms to check for signals, is then ended with a forced unwind.'''
+
+    def __del__(self, monotonic=time.monotonic):
+        end = monotonic() + 0.5
+        while monotonic() < end:
+            pass
+
+
+if {kind!r} == "ActorPool":
+    run = libpolybeast.ActorPool(
+        unroll_length=2, learner_queue=libpolybeast.BatchingQueue(),
+        inference_batcher=libpolybeast.DynamicBatcher(), env_server_addresses=[{address!r}],
+        initial_agent_state=(), env_keys=["frame"]).run
+else:
+    run = libpolybeast.EnvServer(dict, {address!r}).run
+threading.Thread(target=run, daemon=True).start()
+time.sleep(0.3)
+slow = SlowFinalization()
+"""
+
+
+@pytest.mark.parametrize("kind", ["ActorPool", "EnvServer"])
+def test_interpreter_exit_during_run_does_not_abort(tmp_path, kind):
+    """run() in a daemon thread when the interpreter exits: the forced unwind that ends the
+    thread as it takes the GIL passes every catch (...) ("FATAL: exception not rethrown"
+    otherwise) and the GIL guard of the binding (which would abort taking the GIL again)."""
+    import subprocess
+    import sys
+
+    code = EXIT_DURING_RUN.format(kind=kind, address=f"unix:{tmp_path}/env.sock")
+    result = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent.parent,
+                            capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert "FATAL" not in result.stderr and "terminate" not in result.stderr, result.stderr

@@ -1,42 +1,32 @@
 """libpolybeast.EnvServer, talked to by a Python gRPC client built from csrc/rpcenv.proto: the wire
-format, extra named fields, episode boundaries, and recovery from an environment that raises (and
-its count, Step.env_errors). Also libpolybeast.ActorPool against a Python gRPC server that speaks
-TorchBeast's format."""
+format, extra named fields, episode boundaries, recovery from an environment that raises (and its
+count, Step.env_errors), refusing an address in use, and dropping a client that stops answering
+keepalive pings. Also libpolybeast.ActorPool against a Python gRPC server that behaves as
+TorchBeast's does (tests/torchbeast_server.py)."""
 
-import importlib
-import pathlib
+import os
 import queue
+import socket
+import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import libpolybeast
+from torchbeast_server import (NUMPY_TYPES, PROTO_DIR, LivesEnv, TorchBeastServer, array_of,
+                               put_array, rpcenv_modules)
 
-PROTO_DIR = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 JOIN_TIMEOUT_S = 30
 EPISODE_LENGTH = 5
-NUMPY_TYPES = {np.dtype(t).num: np.dtype(t) for t in
-               (np.bool_, np.uint8, np.int16, np.int32, np.int64, np.float32, np.float64)}
 
 
 @pytest.fixture(scope="module")
 def rpcenv(tmp_path_factory):
     """The Python protobuf/gRPC modules generated from csrc/rpcenv.proto."""
-    from grpc_tools import protoc
-
-    out = tmp_path_factory.mktemp("rpcenv_stubs")
-    status = protoc.main(["protoc", f"-I{PROTO_DIR}", f"--python_out={out}",
-                          f"--grpc_python_out={out}", str(PROTO_DIR / "rpcenv.proto")])
-    assert status == 0, "grpc_tools.protoc failed on csrc/rpcenv.proto"
-    sys.path.insert(0, str(out))
-    try:
-        pb2 = importlib.import_module("rpcenv_pb2")
-        pb2_grpc = importlib.import_module("rpcenv_pb2_grpc")
-    finally:
-        sys.path.remove(str(out))
-    return pb2, pb2_grpc
+    return rpcenv_modules(tmp_path_factory.mktemp("rpcenv_stubs"))
 
 
 class CountingEnv:
@@ -101,8 +91,8 @@ class Factory:
 
 
 class ServerThread:
-    def __init__(self, factory, address):
-        self.server = libpolybeast.EnvServer(factory, address)
+    def __init__(self, factory, address, **kwargs):
+        self.server = libpolybeast.EnvServer(factory, address, **kwargs)
         self.errors = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -155,13 +145,6 @@ class Client:
     def close(self):
         self.actions.put(None)
         self.channel.close()
-
-
-def put_array(nest, array):
-    """Writes a numpy array into an rpcenv ArrayNest."""
-    nest.array.dtype = array.dtype.num
-    nest.array.shape.extend(array.shape)
-    nest.array.data = array.tobytes()
 
 
 def frame_of(step):
@@ -246,13 +229,14 @@ def test_environment_that_raises_is_replaced_and_the_stream_goes_on(rpcenv, addr
     assert "the emulator crashed" in capfd.readouterr().err
 
 
-def test_tcp_address(rpcenv):
-    import socket
-
-    with socket.socket() as probe:  # a free port
+def free_port():
+    with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    address = f"127.0.0.1:{port}"
+        return probe.getsockname()[1]
+
+
+def test_tcp_address(rpcenv):
+    address = f"127.0.0.1:{free_port()}"
     server = ServerThread(Factory(), address)
     client = Client(rpcenv, address)
     try:
@@ -329,10 +313,6 @@ def test_polybeast_env_addresses():
             polybeast_env.make_parser().parse_args(["--address", "nohost"]), 0)
 
 
-def array_of(proto):
-    return np.frombuffer(proto.data, NUMPY_TYPES[proto.dtype]).reshape(tuple(proto.shape))
-
-
 def batch_of(step):
     """Step.batch (a stream of several environments) as {name: array [N, ...]}."""
     return {key: array_of(nest.array) for key, nest in step.batch.map.items()}
@@ -352,7 +332,7 @@ def test_batched_stream_wire_format(rpcenv, address):
     server = ServerThread(factory, address)
     client = Client(rpcenv, address)
     # The reference: the first stream's VectorEnv, built the way EnvFactory builds it.
-    seed = int(np.random.SeedSequence([5, 1, 0]).generate_state(1)[0]) % 2**40
+    seed = int(np.random.SeedSequence([5, 1, 0]).generate_state(1)[0]) % 2**31
     reference = vector_envs.create_vector_env(
         argparse.Namespace(env="CartPole-v1", env_backend="gymnasium", episodic_life=False),
         3, seed)
@@ -466,72 +446,28 @@ def test_batched_env_errors_add_the_adapters_own_restarts(rpcenv, address):
     assert len(adapters) == 2
 
 
-# ActorPool against a server that speaks only TorchBeast's format.
+# ActorPool against a server that behaves as TorchBeast's does (tests/torchbeast_server.py).
 
 ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_step",
             "last_action")
 
 
-class TorchBeastStyleServer:
-    """A Python gRPC env server in TorchBeast's format: Step.observation, reward, done,
-    episode_step and episode_return (no game_over, env_errors or extras unless given); reads
-    Action.action. Step t has frame [t, 0, 0] and reward t; episodes end every 3 steps."""
-
-    def __init__(self, rpcenv, address, extras=None):
-        from concurrent import futures
-
-        import grpc
-
-        pb2, pb2_grpc = rpcenv
-        self.pb2 = pb2
-        self.extras = extras or {}
-        self.actions = []  # Action.action values received, in order
-
-        class Servicer(pb2_grpc.RPCEnvServerServicer):
-            def StreamingEnv(servicer, requests, context):  # noqa: N805 - grpc's signature
-                return self._stream(requests)
-
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb2_grpc.add_RPCEnvServerServicer_to_server(Servicer(), self.server)
-        self.server.add_insecure_port(address)
-        self.server.start()
-
-    def _step(self, t):
-        step = self.pb2.Step(reward=float(t), done=t % 3 == 0, episode_step=(t - 1) % 3 + 1,
-                             episode_return=0.5)
-        put_array(step.observation, np.array([t, 0, 0], np.float32))
-        for name, value in self.extras.items():
-            put_array(step.extras.map[name], np.asarray(value))
-        return step
-
-    def _stream(self, requests):
-        t = 0
-        yield self._step(t)
-        for action in requests:
-            assert not action.HasField("nest_action")
-            self.actions.append(action.action)
-            t += 1
-            yield self._step(t)
-
-    def stop(self):
-        self.server.stop(grace=None).wait(JOIN_TIMEOUT_S)
-
-
-def run_pool_against(server_address, unroll_length, num_rollouts):
-    """Runs an ActorPool (action = frame[0] % 2) on one server until num_rollouts arrive.
-    Returns (rollouts, pool, the error run() raised or None)."""
+def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0):
+    """Runs an ActorPool (action = frame[0] % 3) on one server until num_rollouts arrive, or
+    run() fails. Returns (rollouts, pool, the error run() raised or None)."""
     learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
                                                maximum_queue_size=num_rollouts)
     batcher = libpolybeast.DynamicBatcher(batch_dim=1, timeout_ms=5)
     pool = libpolybeast.ActorPool(
         unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
-        env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS)
+        env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS,
+        connect_timeout_s=connect_timeout_s)
     run_errors = []
 
     def inference():
         for batch in batcher:
             env_outputs, state = batch.get_inputs()
-            action = env_outputs["frame"][..., 0].astype(np.int64) % 2
+            action = env_outputs["frame"][..., 0].astype(np.int64) % 3
             batch.set_outputs((dict(action=action), state))
 
     def run():
@@ -558,31 +494,85 @@ def run_pool_against(server_address, unroll_length, num_rollouts):
     return rollouts, pool, run_errors[0] if run_errors else None
 
 
-def test_actor_pool_reads_a_torchbeast_style_server(rpcenv, address):
-    """No game_over (it equals done), no env_errors (0), no extras: today's env keys all the
-    same, and the actions go back as Action.action."""
-    server = TorchBeastStyleServer(rpcenv, address)
+def test_actor_pool_trains_through_a_torchbeast_server(rpcenv, address):
+    """TorchBeast's server reads only nest_action (int() of a numpy array), sends no
+    game_over, extras or env_errors, and ends an episode at each of 3 lost lives (7 steps
+    each): the rollouts carry game_over == done, the episode counters TorchBeast sends, and
+    the actions the inference chose, as the env saw them."""
+    server = TorchBeastServer(rpcenv, address)
+    unroll_length, num_rollouts = 5, 10  # 50 steps: more than two games of 21
     try:
-        rollouts, pool, error = run_pool_against(address, unroll_length=3, num_rollouts=2)
+        rollouts, pool, error = run_pool_against(address, unroll_length, num_rollouts)
     finally:
         server.stop()
-    assert error is None
+    assert error is None, error
+    assert len(rollouts) == num_rollouts
     assert pool.env_errors() == 0
+    assert len(server.envs) == 1, "the stream was broken and reconnected"
+    T, L = unroll_length, LivesEnv.LIFE_STEPS
     for k, rollout in enumerate(rollouts):
-        assert sorted(rollout) == sorted(ENV_KEYS + ("action",))
-        assert rollout["frame"].shape == (4, 1, 3) and rollout["frame"].dtype == np.float32
-        t = np.arange(3 * k, 3 * k + 4)
-        np.testing.assert_array_equal(rollout["frame"][:, 0, 0], t)
-        np.testing.assert_array_equal(rollout["reward"][:, 0], t)
-        np.testing.assert_array_equal(rollout["done"][:, 0], t % 3 == 0)
+        assert sorted(rollout) == sorted(ENV_KEYS + ("action", "truncated"))
+        # TorchBeast's server never sends it: a time limit stays the episode's end.
+        assert not rollout["truncated"].any()
+        assert rollout["frame"].shape == (T + 1, 1, 4) and rollout["frame"].dtype == np.int64
+        t = np.arange(T * k, T * k + T + 1)  # the env's step count at each rollout step
+        frame = rollout["frame"][:, 0]
+        np.testing.assert_array_equal(frame[:, 0], t)
+        done = t % L == 0
+        np.testing.assert_array_equal(rollout["done"][:, 0], done)
         np.testing.assert_array_equal(rollout["game_over"], rollout["done"])
-        np.testing.assert_array_equal(rollout["action"][:, 0], t % 2)
-        np.testing.assert_array_equal(rollout["last_action"][1:, 0], (t % 2)[:-1])
-    assert server.actions[:6] == [t % 2 for t in range(6)]
+        # Lives and games go on across the end-of-life episodes.
+        np.testing.assert_array_equal(frame[:, 1], t // (LivesEnv.LIVES * L))
+        np.testing.assert_array_equal(frame[:, 2], LivesEnv.LIVES - (t // L) % LivesEnv.LIVES)
+        np.testing.assert_array_equal(frame[:, 3], t % L)  # a done step shows reset()'s frame
+        # obs[t] -> action[t] -> reward[t+1], last_action[t+1]; counters reset at each done.
+        action = rollout["action"][:, 0]
+        np.testing.assert_array_equal(action, t % 3)
+        np.testing.assert_array_equal(rollout["last_action"][1:, 0], action[:-1])
+        np.testing.assert_array_equal(rollout["reward"][1:, 0], action[:-1] + 1)
+        episode_step = np.where(t == 0, 0, (t - 1) % L + 1)
+        np.testing.assert_array_equal(rollout["episode_step"][:, 0], episode_step)
+        expected_return = [sum((u - 1) % 3 + 1 for u in range(s - n + 1, s + 1))
+                           for s, n in zip(t, episode_step)]
+        np.testing.assert_array_equal(rollout["episode_return"][:, 0], expected_return)
+    # What the environment got: 0-d int64 arrays, the actions the inference chose.
+    received = server.envs[0].received
+    assert len(received) >= num_rollouts * T
+    for t, action in enumerate(received[:num_rollouts * T]):
+        assert isinstance(action, np.ndarray) and action.shape == () and action.dtype == np.int64
+        assert int(action) == t % 3
+
+
+def test_torchbeast_server_refuses_an_action_without_nest_action(rpcenv, address):
+    """The check above is only as good as this server's strictness: an Action with only the
+    `action` field (what our actors sent before) ends its stream with UNKNOWN."""
+    import grpc
+
+    server = TorchBeastServer(rpcenv, address)
+    client = Client(rpcenv, address)
+    try:
+        first = client.first()
+        assert first.done and not first.HasField("game_over")
+        assert not first.HasField("env_errors") and not first.HasField("extras")
+        with pytest.raises(grpc.RpcError) as error:
+            client.step(1)
+        assert error.value.code() == grpc.StatusCode.UNKNOWN
+    finally:
+        client.close()
+        server.stop()
+
+
+class ClashingExtrasServer(TorchBeastServer):
+    """A server that adds Step.extras['reward'], which clashes with Step.reward."""
+
+    def step_proto(self, *args):
+        step = super().step_proto(*args)
+        put_array(step.extras.map["reward"], np.float32(1))
+        return step
 
 
 def test_actor_pool_refuses_an_extra_that_clashes_with_a_step_field(rpcenv, address):
-    server = TorchBeastStyleServer(rpcenv, address, extras=dict(reward=np.float32(1)))
+    server = ClashingExtrasServer(rpcenv, address)
     try:
         rollouts, _, error = run_pool_against(address, unroll_length=3, num_rollouts=1)
     finally:
@@ -590,3 +580,136 @@ def test_actor_pool_refuses_an_extra_that_clashes_with_a_step_field(rpcenv, addr
     assert rollouts == []
     assert isinstance(error, RuntimeError)
     assert "env.sock" in str(error) and "extras entry 'reward' clashes" in str(error)
+
+
+# An address in use is refused, and the server already there keeps serving.
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_second_server_on_an_address_in_use_is_refused(rpcenv, tmp_path, kind):
+    address = (f"127.0.0.1:{free_port()}" if kind == "tcp" else f"unix:{tmp_path}/env.sock")
+    first = ServerThread(Factory(), address)
+    client = Client(rpcenv, address)
+    try:
+        assert frame_of(client.first()).tolist() == [[0, 0], [1, 0]]
+        second = ServerThread(Factory(), address)
+        second.thread.join(JOIN_TIMEOUT_S)
+        if second.thread.is_alive():
+            second.server.stop()
+            second.thread.join(JOIN_TIMEOUT_S)
+            pytest.fail("a second server listened on an address in use")
+        message = (f"address in use: {address}; another env server listens there? stop it or "
+                   "pick another address")
+        assert len(second.errors) == 1 and message in str(second.errors[0]), second.errors
+        # The first server still answers the stream it had, and new ones.
+        assert frame_of(client.step(2)).tolist() == [[1, 1], [1, 2]]
+        other = Client(rpcenv, address)
+        try:
+            assert frame_of(other.first()).tolist() == [[0, 0], [2, 0]]
+            assert frame_of(other.step(1)).tolist() == [[1, 1], [2, 1]]
+        finally:
+            other.close()
+    finally:
+        client.close()
+        first.stop()
+
+
+def test_stale_unix_socket_is_replaced(rpcenv, tmp_path):
+    """A socket file that nobody listens on (a server killed with SIGKILL) is taken over."""
+    path = tmp_path / "env.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()  # the file stays; nobody listens
+    assert path.exists()
+    address = f"unix:{path}"
+    server = ServerThread(Factory(), address)
+    client = Client(rpcenv, address)
+    try:
+        assert frame_of(client.first()).tolist() == [[0, 0], [1, 0]]
+    finally:
+        client.close()
+        server.stop()
+
+
+class BlackHoleProxy:
+    """A TCP proxy on 127.0.0.1 that forwards both ways until cut(), then swallows every byte
+    and closes nothing: a client that dropped off the network without a FIN or RST."""
+
+    def __init__(self, target_port):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.cut_off = threading.Event()
+        self.sockets = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.sockets += [downstream, upstream]
+            for source, sink in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source, sink):
+        try:
+            while data := source.recv(65536):
+                if not self.cut_off.is_set():
+                    sink.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self):
+        self.cut_off.set()
+
+    def close(self):
+        self.listener.close()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_client_that_drops_off_the_network_is_dropped(rpcenv):
+    """Keepalive: a client that answers pings may take its time; one that stops answering is
+    dropped within about 2 * keepalive_s, and its environment closed."""
+    import time
+
+    factory = Factory()
+    port = free_port()
+    server = ServerThread(factory, f"127.0.0.1:{port}", keepalive_s=0.3)
+    proxy = BlackHoleProxy(port)
+    client = Client(rpcenv, f"127.0.0.1:{proxy.port}")
+    try:
+        client.first()
+        time.sleep(1.5)  # a live client, idle for 5 keepalive periods, is waited for
+        assert factory.closed == []
+        assert frame_of(client.step(1))[0, 0] == 1
+        proxy.cut()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while factory.closed == [] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert factory.closed == [1], "the stream of a silent peer was not ended"
+    finally:
+        proxy.close()
+        client.close()
+        server.stop()
+
+
+def test_polybeast_env_refuses_an_address_in_use_and_leaves_the_first_server_alone(tmp_path):
+    """A second `python -m polybeast_env` on the same unix socket exits with the message, and
+    the first server's socket stays there (it used to be removed on the way out)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [sys.executable, "-m", "polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
+            "--pipes_basename", f"unix:{tmp_path}/env"]
+    first = subprocess.Popen(args, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(tmp_path / "env.0") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(args, cwd=repo, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and "address in use" in second.stderr
+        assert os.path.exists(tmp_path / "env.0") and first.poll() is None
+    finally:
+        first.terminate()
+        first.wait(30)

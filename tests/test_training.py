@@ -54,8 +54,10 @@ def value_of(model, observation):
     return float(outputs["baseline"])
 
 
-@pytest.mark.parametrize("variant", ["monobeast", "polybeast"])
-def test_time_limits_bootstrap(tmp_path, variant):
+@pytest.mark.parametrize("variant, envs_per_stream", [
+    ("monobeast", None), ("polybeast", "4"), ("polybeast", "1")],
+    ids=["monobeast", "polybeast-batched", "polybeast-single"])
+def test_time_limits_bootstrap(tmp_path, variant, envs_per_stream):
     """Reward 1 forever, episodes cut at 20 steps: with discount 0.9 the value of every step
     is the infinite sum 1 / (1 - 0.9) = 10. Treating the cut as the episode's end would
     make the value of the last step 1 (and of step t, 10 * (1 - 0.9^(20 - t)))."""
@@ -65,7 +67,9 @@ def test_time_limits_bootstrap(tmp_path, variant):
                "--unroll_length", "20", "--batch_size", "8", "--entropy_cost", "0",
                "--learning_rate", "0.002"]
     if variant == "polybeast":
-        command += ["--num_actors", "2", "--envs_per_stream", "4"]
+        # One environment per stream: truncated travels in its own Step field; more: in
+        # the batch's dict.
+        command += ["--num_actors", "2", "--envs_per_stream", envs_per_stream]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     state = ckpt.load_checkpoint(tmp_path / "limit" / "model.tar")
