@@ -248,6 +248,9 @@ def _add_loss_flags(group):
     group.add_argument("--learning_rate", type=float, default=None,
                        help="Initial learning rate, decayed linearly to 0 at total_steps "
                             f"(default: {_env_default('learning_rate')}).")
+    group.add_argument("--lr_warmup_steps", type=int, default=0,
+                       help="Environment steps over which the learning rate rises linearly "
+                            "from 0 to --learning_rate before it decays (0: no warm-up).")
     group.add_argument("--alpha", type=float, default=0.99,
                        help="RMSprop smoothing constant.")
     group.add_argument("--momentum", type=float, default=0.0,
@@ -310,6 +313,8 @@ def validate_flags(flags, extra_problems=()):
     need(flags.unroll_length >= 1,
          f"--unroll_length must be at least 1 (got {flags.unroll_length}).")
     need(flags.batch_size >= 1, f"--batch_size must be at least 1 (got {flags.batch_size}).")
+    need(flags.lr_warmup_steps >= 0,
+         f"--lr_warmup_steps must not be negative (got {flags.lr_warmup_steps}).")
     need(flags.max_nonfinite_updates >= 1,
          f"--max_nonfinite_updates must be at least 1 (got {flags.max_nonfinite_updates}).")
     need(flags.total_steps >= 1, f"--total_steps must be positive (got {flags.total_steps}).")

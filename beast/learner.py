@@ -205,8 +205,15 @@ def create_optimizer(flags, model):
     )
     steps_per_update = flags.unroll_length * flags.batch_size
 
+    warmup = getattr(flags, "lr_warmup_steps", 0)
+
     def lr_lambda(update):
-        return max(0.0, 1.0 - min(update * steps_per_update, flags.total_steps) / flags.total_steps)
+        steps = update * steps_per_update
+        decay = max(0.0, 1.0 - min(steps, flags.total_steps) / flags.total_steps)
+        # RMSprop's running mean of squared gradients starts at zero, so its first steps are
+        # up to 10x the learning rate per parameter (no bias correction); a warm-up keeps
+        # them from throwing the young policy into a deterministic corner.
+        return decay * min(1.0, (steps + steps_per_update) / warmup) if warmup > 0 else decay
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     return optimizer, scheduler

@@ -334,3 +334,23 @@ def test_a_non_finite_loss_never_reaches_the_weights(bad):
     for key, value in optimizer.state_dict()["state"].items():
         for name, tensor in value.items():
             assert torch.equal(tensor, optimizer_before["state"][key][name]), name
+
+
+def test_learning_rate_warms_up_then_decays():
+    """--lr_warmup_steps: the rate rises linearly to --learning_rate, then decays to 0 at
+    total_steps; without it, the rate starts at --learning_rate."""
+    flags = types.SimpleNamespace(learning_rate=0.01, momentum=0.0, epsilon=0.01, alpha=0.99,
+                                  unroll_length=10, batch_size=10, total_steps=10_000,
+                                  lr_warmup_steps=1_000)
+    optimizer, scheduler = learner.create_optimizer(flags, TinyModel())
+    rates = []
+    for _ in range(100):  # 100 updates of 100 steps: the whole schedule
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == pytest.approx(0.01 * 0.1)  # the first update: 100 of 1000 steps
+    assert rates[:10] == sorted(rates[:10]) and rates[9] == pytest.approx(0.01 * 0.91)
+    assert max(rates) == rates[9] and rates[10:] == sorted(rates[10:], reverse=True)
+    flags.lr_warmup_steps = 0
+    _, scheduler = learner.create_optimizer(flags, TinyModel())
+    assert scheduler.get_last_lr()[0] == 0.01
