@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import torch
 
 import libpolybeast
@@ -351,6 +352,16 @@ def check_env_outputs(schema, env_outputs):
     except ValueError as e:
         raise training.UserError(
             f"{e}. Do the env servers run the same --env as the learner?") from None
+    # Values the model cannot take. (A non-finite reward is the loss's to skip.)
+    frame, last_action = env_outputs["frame"], env_outputs["last_action"]
+    if frame.dtype.kind == "f" and not np.isfinite(frame).all():
+        raise training.UserError("an env server sent an observation with NaN or inf in it; "
+                                 "the environment (or a wrapper) produced it.")
+    num_actions = schema.fields["policy_logits"].shape[0]
+    if last_action.size and (last_action.min() < 0 or last_action.max() >= num_actions):
+        raise training.UserError(
+            f"an env server sent a last_action outside [0, {num_actions}) "
+            f"(min {last_action.min()}, max {last_action.max()}).")
 
 
 def run_actor_pool(actor_pool, addresses):

@@ -1,7 +1,8 @@
-"""An env server whose CartPoles send `done` as uint8 (one byte, not bool), as a hand-written
-server in another language might. The learner must refuse it by name: as uint8, ~done is 254.
+"""An env server whose CartPoles send what no learner should take, as a hand-written server
+might: `done` as uint8 (one byte, not bool: ~done would be 254), a NaN in the observation, or
+a last_action out of range. The learner must refuse each with one message.
 
-    python -m tests.byte_done_server unix:/path/to/socket
+    python -m tests.byte_done_server unix:/path/to/socket [done-uint8|nan-frame|bad-last-action]
 """
 
 import argparse
@@ -23,8 +24,18 @@ class ByteDone:
         flags = argparse.Namespace(env="CartPole-v1", env_backend="gymnasium")
         self.envs = vector_envs.create_vector_env(flags, self.num_envs, seed=0)
 
+    fault = "done-uint8"
+
     def _cast(self, outputs):
-        return dict(outputs, done=outputs["done"].astype(np.uint8))
+        outputs = dict(outputs)
+        if self.fault == "done-uint8":
+            outputs["done"] = outputs["done"].astype(np.uint8)
+        elif self.fault == "nan-frame":
+            outputs["frame"] = outputs["frame"].copy()
+            outputs["frame"][1, 2] = np.nan
+        elif self.fault == "bad-last-action":
+            outputs["last_action"] = np.full_like(outputs["last_action"], 7)
+        return outputs
 
     def initial(self):
         return self._cast(self.envs.initial())
@@ -37,6 +48,8 @@ class ByteDone:
 
 
 def main():
+    if len(sys.argv) > 2:
+        ByteDone.fault = sys.argv[2]
     server = libpolybeast.EnvServer(ByteDone, sys.argv[1])
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     print(f"serving at {sys.argv[1]}", flush=True)
