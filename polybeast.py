@@ -55,10 +55,12 @@ def make_parser():
                              "--envs_per_stream environments); also the number of env servers "
                              "started here.")
     parser.add_argument("--envs_per_stream", type=int, default=None,
-                        help="Environments behind each stream of the env servers started here, "
-                             "stepped together and sent as one batch (default: "
-                             f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}). Servers "
-                             "started elsewhere choose it themselves (their --envs_per_stream).")
+                        help="Environments behind each env server stream, stepped together and "
+                             "sent as one batch (default: "
+                             f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}). The servers "
+                             "started here get it as a flag; the actors ask servers started "
+                             "elsewhere for it when they open a stream, which those follow unless "
+                             "started with their own --envs_per_stream.")
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket "
                              "(default: unix:<fresh temporary directory>/env, removed at exit).")
@@ -128,8 +130,10 @@ def check_flags(flags, info):
     problems = []
     if flags.envs_per_stream is None:
         flags.envs_per_stream = ENVS_PER_STREAM[info["kind"]]
-    if flags.envs_per_stream < 1:
-        problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
+    # Also for servers started elsewhere: the actors ask them for it (create_actor_pool).
+    if not 1 <= flags.envs_per_stream <= libpolybeast.MAX_ENVS_PER_STREAM:
+        problems.append(f"--envs_per_stream must be between 1 and "
+                        f"{libpolybeast.MAX_ENVS_PER_STREAM} (got {flags.envs_per_stream}).")
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
     problems += _check_servers(flags)
@@ -447,7 +451,8 @@ def create_actor_pool(run, models, addresses):
         unroll_length=flags.unroll_length, learner_queue=learner_queue,
         inference_batcher=inference_batcher, env_server_addresses=addresses,
         initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
-        stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")))
+        stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")),
+        envs_per_stream=flags.envs_per_stream)
     return learner_queue, inference_batcher, actor_pool
 
 

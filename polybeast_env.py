@@ -7,7 +7,11 @@ this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The lea
 (python -m polybeast) connects one actor thread to each address. Data path of one server:
 
     actor thread --gRPC stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
-                                                        or  VectorEnv of --envs_per_stream envs
+                                                        or  VectorEnv of envs_per_stream envs
+
+A stream carries --envs_per_stream environments if given, else as many as the learner asks for when
+it opens the stream (python -m polybeast asks for its own --envs_per_stream: 32 on CartPole), else
+one, in TorchBeast's wire format (TorchBeast's learner asks for nothing).
 
 Every stream gets its own environment, seeded from (--seed, server index, stream number), so a
 reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C stops the servers
@@ -39,10 +43,13 @@ def make_parser():
     )
     beast_flags.add_env_flags(parser)  # the learners' own environment flags
     # Streams.
-    parser.add_argument("--envs_per_stream", type=int, default=1,
+    parser.add_argument("--envs_per_stream", type=int, default=None,
                         help="Environments behind each gRPC stream, stepped together and sent "
-                             "as one batch (fewer round trips, larger inference batches). 1 "
-                             "keeps TorchBeast's one-environment wire format.")
+                             "as one batch (fewer round trips, larger inference batches). "
+                             "Default: what the learner asks for when it opens the stream (python "
+                             "-m polybeast asks for its own --envs_per_stream), else 1, "
+                             "TorchBeast's one-environment wire format. Given, it overrides the "
+                             "learner's request.")
     parser.add_argument("--seed", type=int, default=0,
                         help="Base seed; each stream's environment gets one derived from it, the "
                              "server index and the stream number.")
@@ -88,15 +95,17 @@ def resolve_env_flags(flags):
 
 
 class EnvFactory:
-    """Called by the EnvServer (GIL held) for every new stream: a fresh RolloutAdapter, or a
-    beast.vector_envs VectorEnv of --envs_per_stream environments (always for EnvPool)."""
+    """Called by the EnvServer (GIL held) for every new stream, with the number of environments
+    the client asked for (envs_per_stream, None if it did not ask): a fresh RolloutAdapter for
+    one gymnasium environment, else a beast.vector_envs VectorEnv (always for EnvPool). The
+    server's own --envs_per_stream, when given, wins over the request."""
 
     def __init__(self, flags, server_index):
         self.flags = flags
         self.server_index = server_index
         self.streams = 0
 
-    def __call__(self):
+    def __call__(self, envs_per_stream=None):
         # Imported here: the parent process never needs gymnasium.
         from beast import envs, vector_envs
 
@@ -104,16 +113,25 @@ class EnvFactory:
         seed = int(np.random.SeedSequence(
             [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0] % 2**31)
         self.streams += 1
-        if self.flags.envs_per_stream == 1 and self.flags.env_backend == "gymnasium":
+        if self.flags.envs_per_stream is not None:
+            num_envs, why = self.flags.envs_per_stream, "--envs_per_stream"
+        elif envs_per_stream is not None:
+            num_envs, why = envs_per_stream, "asked for by the learner"
+        else:
+            num_envs, why = 1, "the learner asked for nothing"
+        print(f"polybeast_env: server {self.server_index} stream {self.streams}: {num_envs} "
+              f"environment(s) ({why})", flush=True)
+        if num_envs == 1 and self.flags.env_backend == "gymnasium":
             return envs.RolloutAdapter(envs.create_env(self.flags), seed)
-        return vector_envs.create_vector_env(self.flags, self.flags.envs_per_stream, seed,
+        return vector_envs.create_vector_env(self.flags, num_envs, seed,
                                              name=f"env server {self.server_index}")
 
 
 def serve(flags, address, server_index=0):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
-    flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream.
+    flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream
+    (None: what the learner asks for, else 1).
     Usable as a multiprocessing target.
     """
     import libpolybeast
@@ -159,7 +177,7 @@ def main(argv=None):
     problems = beast_flags.env_flag_problems(flags)
     if flags.num_servers < 1:
         problems.append(f"--num_servers must be at least 1 (got {flags.num_servers}).")
-    if flags.envs_per_stream < 1:
+    if flags.envs_per_stream is not None and flags.envs_per_stream < 1:
         problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
     try:
         addresses = server_addresses(flags)

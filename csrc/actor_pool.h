@@ -39,6 +39,12 @@
 // array, which is all that TorchBeast's servers read. Batched streams send
 // nest_action only, int64 [N].
 //
+// With envs_per_stream N > 0, every stream asks its server for N environments
+// (gRPC metadata "envs-per-stream: N", stream_layout.h), so that servers
+// started by hand get the learner's layout; a server started with its own
+// --envs_per_stream, or TorchBeast's, may answer with another number. 0 asks
+// for nothing (what TorchBeast's actors do).
+//
 // Servers report their environment restarts in Step.env_errors (cumulative
 // per stream); env_errors() sums the increases over all streams.
 #pragma once
@@ -68,6 +74,7 @@
 #include "dynamic_batcher.h"
 #include "nest.h"
 #include "rpcenv.grpc.pb.h"
+#include "stream_layout.h"
 
 namespace beast {
 
@@ -77,7 +84,7 @@ class ActorPool {
             std::shared_ptr<DynamicBatcher> inference_batcher,
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
             std::vector<std::string> env_keys, double connect_timeout_s,
-            double stream_timeout_s)
+            double stream_timeout_s, int64_t envs_per_stream = 0)
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
@@ -85,13 +92,18 @@ class ActorPool {
         initial_agent_state_(std::move(initial_agent_state)),
         env_keys_(std::move(env_keys)),
         connect_timeout_(std::chrono::duration<double>(connect_timeout_s)),
-        stream_timeout_(std::chrono::duration<double>(stream_timeout_s)) {
+        stream_timeout_(std::chrono::duration<double>(stream_timeout_s)),
+        envs_per_stream_(envs_per_stream) {
     if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
     if (!learner_queue_ || !inference_batcher_) {
       throw std::invalid_argument("learner_queue and inference_batcher are required");
     }
     if (!(connect_timeout_s > 0)) throw std::invalid_argument("connect_timeout_s must be > 0");
     if (!(stream_timeout_s > 0)) throw std::invalid_argument("stream_timeout_s must be > 0");
+    if (envs_per_stream_ < 0 || envs_per_stream_ > kMaxEnvsPerStream) {
+      throw std::invalid_argument("envs_per_stream must be between 0 (ask for nothing) and " +
+                                  std::to_string(kMaxEnvsPerStream));
+    }
     for (const std::string& key : env_keys_) {
       if (key.empty()) throw std::invalid_argument("env_keys must not contain an empty name");
     }
@@ -396,6 +408,9 @@ class ActorPool {
   StreamEnd run_stream(size_t index, rpcenv::RPCEnvServer::Stub* stub, bool announce) {
     StreamEnd end;
     grpc::ClientContext context;
+    if (envs_per_stream_ > 0) {
+      context.AddMetadata(kEnvsPerStreamKey, std::to_string(envs_per_stream_));
+    }
     LiveStream live(this, index, &context);
     live.waiting(true);  // the wait for the first Step starts with the stream
     auto stream = stub->StreamingEnv(&context);
@@ -626,6 +641,7 @@ class ActorPool {
   const std::vector<std::string> env_keys_;  // names every env step must carry
   const std::chrono::duration<double> connect_timeout_;
   const std::chrono::duration<double> stream_timeout_;
+  const int64_t envs_per_stream_;  // asked of every server; 0: ask for nothing
 
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases

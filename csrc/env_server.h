@@ -5,9 +5,14 @@
 //
 // One adapter per stream: a new stream calls env_factory() for a fresh
 // adapter (with .initial(), .step(action) and optionally .close()), sends
-// initial(), then answers every Action with step(action). An adapter that
-// raises in step() is closed and replaced by a new one, whose initial step
-// goes out with done=True, so one bad episode does not end the stream.
+// initial(), then answers every Action with step(action). A client that asks
+// for N environments per stream (metadata "envs-per-stream: N", see
+// stream_layout.h; our ActorPool does, TorchBeast's actors do not) gets
+// env_factory(N) instead; a request outside [1, 4096] ends the stream with
+// INVALID_ARGUMENT. An adapter that
+// raises in step() is closed and replaced by a new one (from the same call),
+// whose initial step goes out with done=True, so one bad episode does not end
+// the stream.
 // Every Step carries env_errors, the restarts on this stream so far.
 //
 // A single-environment adapter's dict fills Step's fixed fields (frame ->
@@ -55,8 +60,10 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -64,6 +71,7 @@
 
 #include "nest.h"
 #include "rpcenv.grpc.pb.h"
+#include "stream_layout.h"
 
 namespace beast {
 
@@ -198,9 +206,11 @@ class EnvServer {
   // One Python adapter; every method takes the GIL itself.
   class Session {
    public:
-    explicit Session(EnvServer* server) : server_(server) {
+    // envs_per_stream: what the client asked for; nullopt if it did not ask.
+    Session(EnvServer* server, std::optional<int64_t> envs_per_stream)
+        : server_(server), envs_per_stream_(envs_per_stream) {
       py::gil_scoped_acquire gil;
-      env_ = server_->env_factory_();
+      env_ = new_env();
       batched_ = py::hasattr(env_, "num_envs");
     }
     ~Session() {
@@ -228,7 +238,7 @@ class EnvServer {
         // The replacement counts its own restarts from 0; keep the old ones.
         restarts_ += 1 + adapter_restarts();
         close_env();
-        env_ = server_->env_factory_();
+        env_ = new_env();
         step->Clear();
         fill(env_.attr("initial")(), step);
         if (!batched_) step->set_done(true);  // a batch's initial() says done itself
@@ -236,6 +246,11 @@ class EnvServer {
     }
 
    private:
+    py::object new_env() {  // GIL held
+      return envs_per_stream_ ? server_->env_factory_(*envs_per_stream_)
+                              : server_->env_factory_();
+    }
+
     void close_env() {  // GIL held
       try {
         if (env_ && py::hasattr(env_, "close")) env_.attr("close")();
@@ -307,6 +322,7 @@ class EnvServer {
     }
 
     EnvServer* server_;
+    const std::optional<int64_t> envs_per_stream_;
     py::object env_;  // touched only with the GIL held
     bool batched_ = false;
     // Adapters replaced after errors, plus their own restarts. Only this
@@ -321,8 +337,15 @@ class EnvServer {
     grpc::Status StreamingEnv(
         grpc::ServerContext* context,
         grpc::ServerReaderWriter<rpcenv::Step, rpcenv::Action>* stream) override {
+      std::optional<int64_t> envs_per_stream;
       try {
-        Session session(server_);
+        envs_per_stream = requested_envs_per_stream(*context);
+      } catch (const std::invalid_argument& e) {
+        server_->log(std::string("refusing a stream: ") + e.what());
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, e.what());
+      }
+      try {
+        Session session(server_, envs_per_stream);
         rpcenv::Step step;
         session.initial(&step);
         rpcenv::Action action;
@@ -338,6 +361,19 @@ class EnvServer {
     }
 
    private:
+    // The client's "envs-per-stream" metadata; nullopt when absent. Throws
+    // std::invalid_argument for a bad value or more than one.
+    static std::optional<int64_t> requested_envs_per_stream(const grpc::ServerContext& context) {
+      const auto& metadata = context.client_metadata();
+      auto [first, last] = metadata.equal_range(kEnvsPerStreamKey);
+      if (first == last) return std::nullopt;
+      if (std::next(first) != last) {
+        throw std::invalid_argument(std::string("metadata '") + kEnvsPerStreamKey +
+                                    "' given more than once");
+      }
+      return parse_envs_per_stream(std::string(first->second.data(), first->second.size()));
+    }
+
     EnvServer* server_;
   };
 

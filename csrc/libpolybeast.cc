@@ -18,6 +18,7 @@
 #include "dynamic_batcher.h"
 #include "env_server.h"
 #include "nest.h"
+#include "stream_layout.h"
 
 namespace py = pybind11;
 using beast::ActorPool;
@@ -198,6 +199,10 @@ PYBIND11_MODULE(libpolybeast, m) {
       "arrays (T = unroll_length) whose last step is step 0 of the next one.\n"
       "A single environment's action goes out as Action.action (int32) and as\n"
       "Action.nest_action (a 0-d int64 array, what TorchBeast's servers read).\n\n"
+      "envs_per_stream N > 0 asks every server for N environments per stream (gRPC\n"
+      "metadata 'envs-per-stream: N' when the stream opens), which a server started\n"
+      "without its own --envs_per_stream follows; 0 (the default) asks for nothing, as\n"
+      "TorchBeast's actors do. At most MAX_ENVS_PER_STREAM.\n\n"
       "A server that ends the stream, or sends no Step for stream_timeout_s (only the\n"
       "wait for the server counts, not inference or the learner queue), is reconnected\n"
       "to with a fresh agent state; 'lost the env server' is logged at most once per\n"
@@ -208,15 +213,17 @@ PYBIND11_MODULE(libpolybeast, m) {
                        std::shared_ptr<DynamicBatcher> inference_batcher,
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
-                       double connect_timeout_s, double stream_timeout_s) {
+                       double connect_timeout_s, double stream_timeout_s,
+                       int64_t envs_per_stream) {
              return std::make_unique<ActorPool>(
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
-                 std::move(env_keys), connect_timeout_s, stream_timeout_s);
+                 std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream);
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
            py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
-           py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0)
+           py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0,
+           py::arg("envs_per_stream") = 0)
       .def(
           "run", [](ActorPool& pool) { wait_without_gil([&] { pool.run(check_signals); }); },
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
@@ -235,7 +242,11 @@ PYBIND11_MODULE(libpolybeast, m) {
   py::class_<EnvServer>(
       m, "EnvServer",
       "Serves environments over gRPC (csrc/rpcenv.proto) at 'unix:/path' or 'host:port'.\n\n"
-      "Each stream gets its own adapter from env_factory(), which must offer\n"
+      "Each stream gets its own adapter from env_factory(), or env_factory(N) when the\n"
+      "client asked for N environments per stream (gRPC metadata 'envs-per-stream: N',\n"
+      "as an ActorPool with envs_per_stream=N sends; TorchBeast's actors send none). A\n"
+      "request that is not an integer in [1, MAX_ENVS_PER_STREAM] ends the stream with\n"
+      "INVALID_ARGUMENT. The adapter must offer\n"
       ".initial() and .step(action) returning dict(frame, reward, done, game_over,\n"
       "episode_return, episode_step, ...), and optionally .close(). Every other key of\n"
       "the dict (but last_action, which the actor knows) travels as a named array\n"
@@ -257,4 +268,6 @@ PYBIND11_MODULE(libpolybeast, m) {
           "port is never shared; a unix socket file is replaced only if nobody listens).")
       .def("stop", &EnvServer::stop, release_gil(), "Makes run() return; idempotent.")
       .def_property_readonly("address", &EnvServer::address);
+
+  m.attr("MAX_ENVS_PER_STREAM") = beast::kMaxEnvsPerStream;
 }

@@ -114,7 +114,7 @@ class ServerThread:
 class Client:
     """One StreamingEnv stream, stepped one action at a time."""
 
-    def __init__(self, rpcenv, address):
+    def __init__(self, rpcenv, address, metadata=None):
         import grpc
 
         pb2, pb2_grpc = rpcenv
@@ -122,7 +122,8 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
         grpc.channel_ready_future(self.channel).result(timeout=JOIN_TIMEOUT_S)
         self.actions = queue.Queue()
-        self.steps = pb2_grpc.RPCEnvServerStub(self.channel).StreamingEnv(self._requests())
+        self.steps = pb2_grpc.RPCEnvServerStub(self.channel).StreamingEnv(self._requests(),
+                                                                           metadata=metadata)
 
     def _requests(self):
         while (action := self.actions.get()) is not None:
@@ -452,7 +453,8 @@ ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_s
             "last_action")
 
 
-def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0):
+def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0,
+                     envs_per_stream=0):
     """Runs an ActorPool (action = frame[0] % 3) on one server until num_rollouts arrive, or
     run() fails. Returns (rollouts, pool, the error run() raised or None)."""
     learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
@@ -461,7 +463,7 @@ def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeou
     pool = libpolybeast.ActorPool(
         unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
         env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS,
-        connect_timeout_s=connect_timeout_s)
+        connect_timeout_s=connect_timeout_s, envs_per_stream=envs_per_stream)
     run_errors = []
 
     def inference():
@@ -494,15 +496,18 @@ def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeou
     return rollouts, pool, run_errors[0] if run_errors else None
 
 
-def test_actor_pool_trains_through_a_torchbeast_server(rpcenv, address):
+@pytest.mark.parametrize("envs_per_stream", [0, 32], ids=["asks_nothing", "asks_32"])
+def test_actor_pool_trains_through_a_torchbeast_server(rpcenv, address, envs_per_stream):
     """TorchBeast's server reads only nest_action (int() of a numpy array), sends no
     game_over, extras or env_errors, and ends an episode at each of 3 lost lives (7 steps
     each): the rollouts carry game_over == done, the episode counters TorchBeast sends, and
-    the actions the inference chose, as the env saw them."""
+    the actions the inference chose, as the env saw them. It ignores the envs-per-stream
+    metadata: a pool that asks for 32 environments still gets one, in TorchBeast's format."""
     server = TorchBeastServer(rpcenv, address)
     unroll_length, num_rollouts = 5, 10  # 50 steps: more than two games of 21
     try:
-        rollouts, pool, error = run_pool_against(address, unroll_length, num_rollouts)
+        rollouts, pool, error = run_pool_against(address, unroll_length, num_rollouts,
+                                                 envs_per_stream=envs_per_stream)
     finally:
         server.stop()
     assert error is None, error
@@ -541,6 +546,80 @@ def test_actor_pool_trains_through_a_torchbeast_server(rpcenv, address):
     for t, action in enumerate(received[:num_rollouts * T]):
         assert isinstance(action, np.ndarray) and action.shape == () and action.dtype == np.int64
         assert int(action) == t % 3
+
+
+class FlatCountingEnv(CountingEnv):
+    """A CountingEnv whose frame is flat, [steps, episode step, env id, action], as the
+    inference of run_pool_against expects."""
+
+    def frame(self, action):
+        return super().frame(action).reshape(-1)
+
+
+class RecordingFactory:
+    """Records the arguments of each call: () when the server called it without one, (N,)
+    when the client asked for N environments per stream. Returns one environment either way
+    (a server may answer with another number than the one asked for)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return FlatCountingEnv(len(self.calls))
+
+
+@pytest.mark.parametrize("envs_per_stream", [0, 1, 7, 4096], ids=lambda n: f"asks_{n}")
+def test_the_factory_gets_the_envs_per_stream_the_actor_pool_asks_for(address, envs_per_stream):
+    """ActorPool(envs_per_stream=N) sends N as metadata and the server calls env_factory(N);
+    a pool created without it (0, as TorchBeast's actors) asks nothing: env_factory()."""
+    factory = RecordingFactory()
+    server = ServerThread(factory, address)
+    try:
+        rollouts, _, error = run_pool_against(address, 5, 2, envs_per_stream=envs_per_stream)
+    finally:
+        server.stop()
+    assert error is None, error
+    assert len(rollouts) == 2
+    assert factory.calls == [(envs_per_stream,) if envs_per_stream else ()]
+
+
+@pytest.mark.parametrize("value", ["0", "4097", "-1", "abc", "3.5", "", " 32",
+                                   "99999999999999999999"])
+def test_a_bad_envs_per_stream_request_is_refused_with_invalid_argument(rpcenv, address, value):
+    """Not an integer in [1, MAX_ENVS_PER_STREAM]: the stream ends with INVALID_ARGUMENT and a
+    message, the factory is never called, and the server goes on serving good requests."""
+    import grpc
+
+    assert libpolybeast.MAX_ENVS_PER_STREAM == 4096
+    factory = RecordingFactory()
+    server = ServerThread(factory, address)
+    try:
+        bad = Client(rpcenv, address, metadata=[("envs-per-stream", value)])
+        with pytest.raises(grpc.RpcError) as error:
+            bad.first()
+        bad.close()
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "envs-per-stream" in error.value.details()
+        assert "[1, 4096]" in error.value.details()
+        assert factory.calls == []
+        good = Client(rpcenv, address, metadata=[("envs-per-stream", "3")])
+        assert good.first().done
+        good.close()
+    finally:
+        server.stop()
+    assert factory.calls == [(3,)]
+
+
+def test_actor_pool_refuses_an_envs_per_stream_out_of_range():
+    learner_queue = libpolybeast.BatchingQueue()
+    batcher = libpolybeast.DynamicBatcher()
+    for bad in (-1, libpolybeast.MAX_ENVS_PER_STREAM + 1):
+        with pytest.raises(ValueError, match="envs_per_stream"):
+            libpolybeast.ActorPool(
+                unroll_length=5, learner_queue=learner_queue, inference_batcher=batcher,
+                env_server_addresses=["unix:/nonexistent"], initial_agent_state=(),
+                env_keys=ENV_KEYS, envs_per_stream=bad)
 
 
 def test_torchbeast_server_refuses_an_action_without_nest_action(rpcenv, address):

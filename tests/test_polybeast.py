@@ -342,6 +342,36 @@ def test_servers_started_elsewhere(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
+    """Servers started by hand without --envs_per_stream host as many environments per stream
+    as the learner asks for: 32 on CartPole (polybeast.ENVS_PER_STREAM), not TorchBeast's one.
+    Servers started with their own --envs_per_stream keep it."""
+    assert polybeast.ENVS_PER_STREAM["vector"] == 32
+    servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
+                    "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
+    own = start(tmp_path, "own", "polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
+                "--envs_per_stream", "3", "--pipes_basename", f"unix:{tmp_path}/own")
+    try:
+        for name, process in (("env.0", servers), ("env.1", servers), ("own.0", own)):
+            wait_for(lambda: os.path.exists(tmp_path / name), f"the socket {name}", process,
+                     lambda: output(tmp_path, "servers") + output(tmp_path, "own"))
+        addresses = f"unix:{tmp_path}/env.0,unix:{tmp_path}/env.1,unix:{tmp_path}/own.0"
+        result = run(tmp_path, *polybeast_args(
+            tmp_path, "--env", "CartPole-v1", "--server_addresses", addresses,
+            "--batch_size", "4", "--unroll_length", "20", "--total_steps", "400",
+            "--log_interval_steps", "80"))
+        assert result.returncode == 0, result.stderr
+        assert last_step(tmp_path / "runs" / "run") == 400
+    finally:
+        stop_group(servers)
+        stop_group(own)
+    for index in range(2):  # one stream per server, as many actors as addresses
+        assert (f"server {index} stream 1: 32 environment(s) (asked for by the learner)"
+                in output(tmp_path, "servers")), output(tmp_path, "servers")
+    assert "stream 1: 3 environment(s) (--envs_per_stream)" in output(tmp_path, "own")
+
+
+@pytest.mark.timeout(300)
 def test_env_server_killed_and_restarted(tmp_path):
     """With a single env server, training can only finish if the actors reconnect to it."""
     server_args = ["polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
