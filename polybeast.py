@@ -381,11 +381,11 @@ def run_actor_pool(actor_pool, addresses):
 # ----------------------------------------------------------------------------
 # Learning.
 
-def learner_batches(learner_queue, schema, device):
+def learner_batches(learner_queue, device):
     """(batch, initial_agent_state) from the learner queue: rollouts [T+1, B, ...] and the
-    core state before step 0 of each, [layers, B, hidden], checked against the schema."""
+    core state before step 0 of each, [layers, B, hidden]. What the servers sent was checked
+    where it entered, at inference (check_env_outputs); the rest is our own model's output."""
     for rollouts, initial_agent_state in learner_queue:
-        schema.check(rollouts, 2, "a batch from the actor pool")
         yield ({k: to_torch(v, device) for k, v in rollouts.items()},
                tuple(to_torch(s, device) for s in initial_agent_state))
 
@@ -415,7 +415,7 @@ def train_loop(run, models, servers):
                                   run.schema, run.device, on_error=inference_batcher.close)
                 for i in range(flags.num_inference_threads)]
     threads += [run.errors.thread(f"learner-{i}", run.learner_thread,
-                                  learner_batches(learner_queue, run.schema, run.device))
+                                  learner_batches(learner_queue, run.device))
                 for i in range(flags.num_learner_threads)]
     for thread in threads:
         thread.start()

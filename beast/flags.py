@@ -378,7 +378,7 @@ def merge_saved_flags(flags, saved, given):
       saved: dict of the run's flags.json.
       given: names typed on the command line (they win).
     """
-    keep_fresh = {"mode", "xpid", "savedir", "given", "device"}
+    keep_fresh = {"mode", "xpid", "savedir", "given"}
     for key, value in saved.items():
         if key in given or key in keep_fresh or not hasattr(flags, key):
             continue

@@ -189,9 +189,9 @@ class Schema:
     def names(self, source=None):
         return tuple(n for n, f in self.fields.items() if source in (None, f.source))
 
-    def zeros(self, leading_shape, source=None, make=np.zeros):
+    def zeros(self, leading_shape, source=None):
         """A dict of zero arrays [*leading_shape, *shape] for the fields of `source` (all: None)."""
-        return {n: make(tuple(leading_shape) + f.shape, dtype=f.dtype)
+        return {n: np.zeros(tuple(leading_shape) + f.shape, dtype=f.dtype)
                 for n, f in self.fields.items() if source in (None, f.source)}
 
     def check(self, arrays, leading_dims, where, source=None):
