@@ -9,9 +9,16 @@ Data path:
 
 Run `python -m monobeast --help` for the flags.  `--num_actors 0` steps the
 environments in the learner's own process (serial mode, for debuggers).
+`--deterministic` replaces the two queues by a fixed schedule (Lockstep), so that
+runs with actor processes are reproducible.
 """
 
 import argparse
+import contextlib
+import copy
+import itertools
+import math
+import os
 import queue
 import signal
 import sys
@@ -25,7 +32,7 @@ from beast import training
 from beast import vector_envs
 
 # Environments each actor steps together, by kind of environment (beast/flags.py ENV_DEFAULTS).
-ENVS_PER_ACTOR = {"atari": 4, "image": 32, "vector": 32}
+ENVS_PER_ACTOR = {"atari": 4, "image": 32, "vector": 32, "continuous": 16}
 
 
 def make_parser():
@@ -43,7 +50,12 @@ def make_parser():
                              f"{beast_flags.describe_defaults(ENVS_PER_ACTOR)}).")
     parser.add_argument("--num_buffers", type=int, default=None,
                         help="Shared-memory rollout buffers "
-                             "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size)).")
+                             "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size); "
+                             "with --deterministic the fewest its schedule needs).")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="Reproducible runs with actor processes: every batch comes from "
+                             "a fixed set of rollouts, acted with the weights of a fixed "
+                             "earlier update; one learner thread (costs some speed).")
     return parser
 
 
@@ -173,14 +185,264 @@ def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     indices = [full_queue.get() for _ in range(flags.batch_size)]
     if any(i is None for i in indices):
         return None
+    batch, state = select_batch(buffers, state_buffers, indices)
+    for i in indices:  # The copies above are done: the buffers can be refilled.
+        free_queue.put(i)
+    return to_device(batch, state, device)
+
+
+def select_batch(buffers, state_buffers, indices):
+    """Copies the rollouts of buffers `indices` (B of them, in this order) out of shared
+    memory: (batch dict of [T+1, B, ...] tensors, core state tuple of [L, B, H] tensors)."""
     index = torch.tensor(indices)
     batch = {k: v.index_select(1, index) for k, v in buffers.items()}
     state = tuple(s.index_select(0, index).transpose(0, 1).contiguous() for s in state_buffers)
-    for i in indices:  # The copies above are done: the buffers can be refilled.
-        free_queue.put(i)
+    return batch, state
+
+
+def to_device(batch, state, device):
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     state = tuple(s.to(device, non_blocking=True) for s in state)
     return batch, state
+
+
+def check_actors(actors):
+    """Raises if an actor process has died."""
+    for i, process in enumerate(actors):
+        if process.exitcode not in (None, 0):
+            raise RuntimeError(f"Actor process {i} died with exit code "
+                               f"{process.exitcode}; its traceback is above.")
+
+
+# ----------------------------------------------------------------------------
+# --deterministic: a fixed schedule in place of the queues.
+
+class Lockstep:
+    """The schedule that makes a run with actor processes reproducible (--deterministic).
+
+    With the queues, timing decides which rollouts form a batch (the order in which
+    actors finish) and which weights an actor acts with (whatever the learner wrote
+    last). Here both are fixed. With N actors of E environments each, R = N * E
+    rollouts per round and batch size B:
+
+      rollouts  one order for the whole run: round k is every actor's k-th unroll,
+                actor 0's E rollouts first, so rollout r = k*R + i*E + j (actor i,
+                environment j) lives in buffer r % num_buffers.
+      batches   update u (counted from this start) learns on rollouts [u*B, (u+1)*B),
+                in that order, in one learner thread.
+      weights   round k is acted with version V(k) = floor(max(k - 1, 0) * R / B), the
+                weights after every update that needs only rounds before k - 1, so the
+                actors fill round k while the learner learns on round k - 1. With R = B
+                (Pong's defaults) update u learns on rollouts acted with the weights of
+                the update before its own, as Cleanba does; with R = 4B (CartPole's) the
+                lag is 4 to 7 updates, the same for every run.
+      copies    an actor copies version V(k) into its own model before round k (taken),
+                and the learner writes the next version only once every actor that acts
+                with the current one has taken it: no weights are torn or skipped.
+      buffers   round k is written once version V(k) exists, i.e. once rollouts before
+                V(k) * B have been copied out; with num_buffers >= 2R + B - gcd(R, B)
+                (lockstep_num_buffers) it never overwrites a rollout not yet learned.
+
+    Shared counters, read and written under `lock`: version (of the weights in the
+    shared model), taken[i] and filled[i] (rounds that actor i has taken the weights
+    for, and written), restarts[m] (the environment restarts of the actor that wrote
+    buffer m, as of that rollout's end, so that env_errors follows the rollouts learned
+    and not the timing). A change rings every party's doorbell, a semaphore: unlike
+    multiprocessing.Condition's notify, ringing never waits for the woken process, so a
+    killed actor cannot hang the learner.
+    """
+
+    def __init__(self, ctx, flags):
+        self.envs_per_actor, self.batch_size = flags.envs_per_actor, flags.batch_size
+        self.per_round = flags.num_actors * flags.envs_per_actor
+        self.num_buffers = flags.num_buffers
+        self.lock = ctx.Lock()
+        # One per actor, then the learner's (index num_actors).
+        self.doorbells = [ctx.Semaphore(0) for _ in range(flags.num_actors + 1)]
+        self.version = ctx.RawValue("q", 0)
+        self.taken = ctx.RawArray("q", flags.num_actors)
+        self.filled = ctx.RawArray("q", flags.num_actors)
+        self.restarts = ctx.RawArray("q", flags.num_buffers)
+        self.closed = ctx.RawValue("b", 0)
+
+    def weights_for_round(self, k):
+        """V(k): the version of the weights that round k is acted with."""
+        return max(k - 1, 0) * self.per_round // self.batch_size
+
+    def rounds_up_to_version(self, v):
+        """How many rounds are acted with versions <= v: the least k with V(k) > v."""
+        return 1 + -(-(v + 1) * self.batch_size // self.per_round)
+
+    def round_buffers(self, actor, k):
+        first = k * self.per_round + actor * self.envs_per_actor
+        return [(first + j) % self.num_buffers for j in range(self.envs_per_actor)]
+
+    def batch_rollouts(self, update):
+        return range(update * self.batch_size, (update + 1) * self.batch_size)
+
+    def actor_of(self, rollout):
+        return rollout % self.per_round // self.envs_per_actor
+
+    def batch_ready(self, update):
+        """Whether update `update` may start (call under `lock`): its rollouts are
+        written, and every actor has taken the weights that the update will replace."""
+        return (min(self.taken) >= self.rounds_up_to_version(update)
+                and all(self.filled[self.actor_of(r)] > r // self.per_round
+                        for r in self.batch_rollouts(update)))
+
+    def wait(self, who, ready, give_up=None, poll_s=0.1):
+        """Waits until ready() (called under the lock); who: an actor's index, or
+        num_actors for the learner. Returns False instead once the schedule is closed or
+        give_up() says so; give_up may also raise."""
+        doorbell = self.doorbells[who]
+        while True:
+            # Rings so far are answered by the check below; without draining, rings while
+            # nobody waited would pile up and turn this wait into a busy loop.
+            while doorbell.acquire(block=False):
+                pass
+            with self.lock:
+                if ready():
+                    return True
+                if self.closed.value:
+                    return False
+            if give_up is not None and give_up():
+                return False
+            # A ring after the check above is counted by the semaphore, never lost.
+            doorbell.acquire(timeout=poll_s)
+
+    def advance(self, counter, index, value):
+        """counter[index] = value (counter: taken, filled, or version with index None)."""
+        with self.lock:
+            if index is None:
+                counter.value = value
+            else:
+                counter[index] = value
+        for doorbell in self.doorbells:
+            doorbell.release()
+
+    def close(self):
+        """Ends the schedule: every waiting actor returns."""
+        self.advance(self.closed, None, 1)
+
+
+def lockstep_num_buffers(flags):
+    """The fewest buffers with which Lockstep never overwrites a rollout not yet learned."""
+    per_round = flags.num_actors * flags.envs_per_actor
+    return 2 * per_round + flags.batch_size - math.gcd(per_round, flags.batch_size)
+
+
+def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
+                    state_buffers):
+    """Actor process of a --deterministic run: round after round, waits for the round's
+    version of the weights, copies it and fills the round's buffers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    torch.manual_seed(flags.seed * 7919 + actor_index)
+    # Its own copy (version 0 now): the learner writes the next version while this one acts.
+    model = copy.deepcopy(shared_model)
+    # Restarts are counted per actor (error_count None), so their seeds follow the schedule.
+    sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
+                      seed=flags.seed * 100 + actor_index, name=f"actor {actor_index}")
+    learner_pid = os.getppid()
+    try:
+        for k in itertools.count():
+            version = lockstep.weights_for_round(k)
+            # Stops waiting if the learner's process is gone (killed before it could close).
+            if not lockstep.wait(actor_index, lambda: lockstep.version.value >= version,
+                                 give_up=lambda: os.getppid() != learner_pid):
+                return
+            model.load_state_dict(shared_model.state_dict())
+            lockstep.advance(lockstep.taken, actor_index, k + 1)
+            indices = lockstep.round_buffers(actor_index, k)
+            sampler.unroll(indices)
+            for m in indices:
+                lockstep.restarts[m] = sampler.envs.restarts
+            lockstep.advance(lockstep.filled, actor_index, k + 1)
+    finally:
+        sampler.close()
+
+
+def train_lockstep(run, model, buffers, state_buffers):
+    """--deterministic with actor processes: actors on the Lockstep schedule, one learner
+    thread (learn_in_lockstep); this thread only waits for it and for a stop request.
+
+    model: the shared-memory acting model, which run.learn writes after each update
+    (Learner.update): the schedule's next version, published by advancing the counter.
+    """
+    flags = run.flags
+    ctx = mp.get_context("fork")
+    lockstep = Lockstep(ctx, flags)
+    actors = [ctx.Process(target=act_in_lockstep, name=f"actor-{i}", daemon=True,
+                          args=(i, flags, lockstep, model, run.schema, buffers, state_buffers))
+              for i in range(flags.num_actors)]
+    for process in actors:
+        process.start()
+    # Not in this thread: with 2 intra-op threads on busy cores, torch ran the learner's
+    # small ops about 3x slower in the main thread than in another (CartPole, 2 cores).
+    learner = run.errors.thread("learner", learn_in_lockstep, run, lockstep, actors,
+                                buffers, state_buffers)
+    learner.start()
+    try:
+        while learner.is_alive():
+            learner.join(timeout=0.2)  # wakes for signals, which set run.stop
+        run.errors.raise_first()
+    finally:
+        lockstep.close()
+        learner.join(timeout=60)
+        for process in actors:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+
+
+def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
+    """The learner thread of a --deterministic run: the schedule's batches in order, and
+    between steps what serial mode does between steps (status, checkpoints, evaluation),
+    so that the rows of logs.csv come in a fixed order too."""
+    flags = run.flags
+    restarts = [0] * flags.num_actors  # each actor's, as of the last rollout learned
+
+    def give_up():
+        check_actors(actors)
+        return run.stop.is_set()
+
+    update = 0
+    while not run.done():
+        if not lockstep.wait(flags.num_actors, lambda: lockstep.batch_ready(update), give_up):
+            if run.stop.is_set():
+                print("\nStopping on request; the run can be resumed with "
+                      f"--xpid {flags.xpid}.", file=sys.stderr)
+            return
+        rollouts = lockstep.batch_rollouts(update)
+        indices = [r % flags.num_buffers for r in rollouts]
+        for r, m in zip(rollouts, indices):
+            restarts[lockstep.actor_of(r)] = lockstep.restarts[m]
+        run.learn(*to_device(*select_batch(buffers, state_buffers, indices), run.device))
+        update += 1
+        lockstep.advance(lockstep.version, None, update)
+        run.housekeeping(env_errors=sum(restarts))
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled):
+    """With --deterministic, torch's deterministic kernels (on a GPU; the CPU's are already)
+    for the run; the previous settings come back at the end. An op that has none warns."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    # cuBLAS reads it when it first runs, which is after this (at the first learner step).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 # ----------------------------------------------------------------------------
@@ -190,10 +452,18 @@ def check_flags(flags, info):
     """MonoBeast's own env-dependent flags; returns the problems found."""
     if flags.envs_per_actor is None:
         flags.envs_per_actor = ENVS_PER_ACTOR[info["kind"]]
+    lockstep = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
+        if lockstep:
+            flags.num_buffers = lockstep_num_buffers(flags)
     problems = []
+    if lockstep and flags.num_buffers < lockstep_num_buffers(flags):
+        problems.append(f"--deterministic needs --num_buffers of at least "
+                        f"{lockstep_num_buffers(flags)} with these --num_actors, "
+                        "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
+                        "raise it or leave it to its default.")
     if flags.num_actors < 0:
         problems.append(f"--num_actors must not be negative (got {flags.num_actors}).")
     if flags.envs_per_actor < 1:
@@ -218,10 +488,13 @@ def train_loop(run, model, environments):
     flags = run.flags
     buffers = create_buffers(flags, run.schema)
     state_buffers = create_state_buffers(model, flags.num_buffers)
-    if flags.num_actors == 0:
-        train_serial(run, model, buffers, state_buffers)
-    else:
-        train_parallel(run, model, buffers, state_buffers)
+    with deterministic_kernels(flags.deterministic):
+        if flags.num_actors == 0:
+            train_serial(run, model, buffers, state_buffers)
+        elif flags.deterministic:
+            train_lockstep(run, model, buffers, state_buffers)
+        else:
+            train_parallel(run, model, buffers, state_buffers)
 
 
 def train_parallel(run, model, buffers, state_buffers):
@@ -243,18 +516,12 @@ def train_parallel(run, model, buffers, state_buffers):
         return iter(lambda: get_batch(flags, full_queue, free_queue, buffers, state_buffers,
                                       run.device), None)
 
-    def check_actors():
-        for i, process in enumerate(actors):
-            if process.exitcode not in (None, 0):
-                raise RuntimeError(f"Actor process {i} died with exit code "
-                                   f"{process.exitcode}; its traceback is above.")
-
     threads = [run.errors.thread(f"learner-{i}", run.learner_thread, batches())
                for i in range(flags.num_learner_threads)]
     for thread in threads:
         thread.start()
     try:
-        run.supervise(threads, check_actors, env_errors=lambda: error_count.value)
+        run.supervise(threads, lambda: check_actors(actors), env_errors=lambda: error_count.value)
     finally:
         # Stop the actors first so no one waits on a queue that nobody feeds.
         for _ in range(flags.num_actors * flags.envs_per_actor):

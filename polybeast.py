@@ -30,7 +30,9 @@ import numpy as np
 import torch
 
 import libpolybeast
+from beast import distributed
 from beast import flags as beast_flags
+from beast import rollout
 from beast import training
 
 JOIN_TIMEOUT_S = 30
@@ -41,7 +43,7 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # Environments behind each server stream, by kind of environment (beast/flags.py ENV_DEFAULTS).
 # On Atari, more streams with fewer environments spread the servers' stepping over the cores;
 # bench/ measures the choice (README, Performance).
-ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 32}
+ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 32, "continuous": 16}
 
 
 def make_parser():
@@ -87,6 +89,11 @@ def make_parser():
     parser.add_argument("--inference_batch_size", type=int, default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
+    # Several learner ranks (torchrun; beast/distributed.py).
+    parser.add_argument("--dist_timeout_s", type=float, default=300.0,
+                        help="Under torchrun: end the run when another learner rank sends no "
+                             "heartbeat, or a gradient all-reduce waits, for this long (a rank "
+                             "that crashed is usually noticed at once).")
     parser.add_argument("--max_learner_queue_size", type=int, default=None,
                         help="Rollouts that may wait for the learner before the actors block; "
                              "a short queue keeps the policy lag small (default: batch_size).")
@@ -97,9 +104,12 @@ def make_parser():
 # Flags.
 
 def server_list(flags):
-    """The env servers' addresses: --server_addresses, or <pipes_basename>.i for each actor."""
+    """The env servers' addresses: this learner rank's share of --server_addresses (all of
+    them with one learner), or <pipes_basename>.i for each actor."""
     if flags.server_addresses is not None:
-        return beast_flags.parse_address_list(flags.server_addresses)
+        rank, world_size = distributed.env_rank()
+        return distributed.shard(beast_flags.parse_address_list(flags.server_addresses),
+                                 rank, world_size)
     return [f"{flags.pipes_basename}.{i}" for i in range(flags.num_actors)]
 
 
@@ -166,9 +176,12 @@ def _check_servers(flags):
     if flags.server_addresses is not None:
         flags.no_start_servers = True
         try:
-            servers = beast_flags.parse_address_list(flags.server_addresses)
+            servers = server_list(flags)
         except ValueError as e:
             return [f"--server_addresses: {e}"]
+        if not servers:
+            return [f"--server_addresses gives fewer addresses than the "
+                    f"{distributed.env_rank()[1]} learner ranks: each rank needs its own."]
         if "num_actors" not in flags.given:
             flags.num_actors = len(servers)
     elif flags.no_start_servers and flags.pipes_basename is None:
@@ -199,9 +212,12 @@ class LocalEnvServers:
         self.flags = flags
         self.num_servers = num_servers
         self.own_dir = None
+        self.rank, world_size = distributed.env_rank()
         if flags.pipes_basename is None:
             self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-")
             self.pipes_basename = f"unix:{self.own_dir}/env"
+        elif world_size > 1:  # learner ranks on one host must not share sockets
+            self.pipes_basename = f"{flags.pipes_basename}-rank{self.rank}"
         else:
             self.pipes_basename = flags.pipes_basename
         self.addresses = [f"{self.pipes_basename}.{i}" for i in range(num_servers)]
@@ -212,7 +228,8 @@ class LocalEnvServers:
         command = [
             sys.executable, "-m", "polybeast_env",
             *beast_flags.env_flag_args(flags),  # the same environment as the learner's
-            "--seed", str(flags.seed),
+            # Each learner rank's environments their own seeds (rank 0 keeps --seed).
+            "--seed", str(distributed.rank_seed(flags.seed, self.rank)),
             "--num_servers", str(self.num_servers),
             "--envs_per_stream", str(flags.envs_per_stream),
             "--pipes_basename", self.pipes_basename,
@@ -357,11 +374,18 @@ def check_env_outputs(schema, env_outputs):
         raise training.UserError(
             f"{e}. Do the env servers run the same --env as the learner?") from None
     # Values the model cannot take. (A non-finite reward is the loss's to skip.)
-    frame, last_action = env_outputs["frame"], env_outputs["last_action"]
-    if frame.dtype.kind == "f" and not np.isfinite(frame).all():
-        raise training.UserError("an env server sent an observation with NaN or inf in it; "
-                                 "the environment (or a wrapper) produced it.")
-    num_actions = schema.fields["policy_logits"].shape[0]
+    last_action = env_outputs["last_action"]
+    for name in rollout.observation_names(env_outputs):  # frame, or a Dict's entries
+        frame = env_outputs[name]
+        if frame.dtype.kind == "f" and not np.isfinite(frame).all():
+            raise training.UserError(f"an env server sent an observation ({name!r}) with NaN or "
+                                     "inf in it; the environment (or a wrapper) produced it.")
+    if schema.continuous:
+        # Our own actions coming back, but from another process: NaN would reach the model.
+        if not np.isfinite(last_action).all():
+            raise training.UserError("an env server sent a last_action with NaN or inf in it.")
+        return
+    num_actions = schema.num_actions
     if last_action.size and (last_action.min() < 0 or last_action.max() >= num_actions):
         raise training.UserError(
             f"an env server sent a last_action outside [0, {num_actions}) "
@@ -452,13 +476,16 @@ def create_actor_pool(run, models, addresses):
         inference_batcher=inference_batcher, env_server_addresses=addresses,
         initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
         stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")),
-        envs_per_stream=flags.envs_per_stream)
+        envs_per_stream=flags.envs_per_stream,
+        # int64 0, or float32 zeros [A] for a Box action space (single-environment streams).
+        initial_last_action=run.schema.zeros((), source="env")["last_action"])
     return learner_queue, inference_batcher, actor_pool
 
 
 VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
                            acting_model=acting_model, train_loop=train_loop,
-                           environments=environments, per_start_flags=PER_START_FLAGS)
+                           environments=environments, per_start_flags=PER_START_FLAGS,
+                           distributed=True)
 
 
 def main(argv=None):

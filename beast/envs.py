@@ -6,7 +6,8 @@ environment servers both build their environments with `create_env(flags)` and s
 
 Data path of one actor step:
 
-    action (int) -> RolloutAdapter.step -> gym_env.step (our wrappers -> emulator)
+    action (int; float32 [A] for a Box action space, see BoxActions)
+                 -> RolloutAdapter.step -> gym_env.step (our wrappers -> emulator)
                  -> dict(frame, reward, done, game_over, episode_return, episode_step, last_action)
 
 Which ids `create_env` accepts:
@@ -21,6 +22,8 @@ Which ids `create_env` accepts:
   * Any other id in Gymnasium's registry (CartPole-v1, LunarLander-v3, ...), also
     `some.module:EnvId-v0`, which imports `some.module` first so that it can register its ids.
     Vector observations are cast to float32, Discrete observations become one-hot float32 vectors.
+    A Dict observation (array entries only: see observation_layout) becomes one rollout field per
+    entry, frame/<key>, each entry cast as above.
   * Environments written for the old gym API (reset() -> obs; step() -> (obs, reward, done, info))
     are detected and wrapped in `LegacyGymAPI` (see `create_env`).
 
@@ -175,6 +178,9 @@ class AtariPreprocessing(gymnasium.Wrapper):
 
         self.observation_space = spaces.Box(0, 255, self._stack.shape, dtype=np.uint8)
         self.action_space = spaces.Discrete(len(self._ale_actions))
+        # One rendered screen per agent step: the emulator's 60 frames a second / frame_skip
+        # plays a video (beast/video.py) at the game's real speed.
+        self.metadata = {**env.metadata, "render_fps": 60 / frame_skip}
 
     def _repeat(self, ale_action):
         """Plays ale_action for frame_skip frames, grabbing the last two screens. Returns the reward sum."""
@@ -272,7 +278,7 @@ def _sticky_action_probability(flags, spec_kwargs):
     return spec_kwargs.get("repeat_action_probability", 0.25) if value is None else value
 
 
-def _make_atari(env_id, flags):
+def _make_atari(env_id, flags, render_mode=None):
     kwargs = _atari_spec_kwargs(env_id)
     atari = ale_py.AtariEnv(
         game=kwargs["game"],
@@ -283,6 +289,7 @@ def _make_atari(env_id, flags):
         repeat_action_probability=_sticky_action_probability(flags, kwargs),
         full_action_space=kwargs.get("full_action_space", False),
         max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", MAX_FRAMES_PER_EPISODE),
+        render_mode=render_mode,  # "rgb_array": the colour screen, whatever obs_type is
     )
     return AtariPreprocessing(atari, episodic_life=bool(getattr(flags, "episodic_life", False)))
 
@@ -405,7 +412,78 @@ class ChannelsFirst(gymnasium.ObservationWrapper):
         return np.array(observation.transpose(2, 0, 1), dtype=np.float32, order="C")
 
 
-def _make_registered(env_id):
+def _has_image(space):
+    """An image [C, H, W] observation, or a Dict observation with an image entry."""
+    if isinstance(space, spaces.Dict):
+        return any(_has_image(entry) for entry in space.spaces.values())
+    return space.shape is not None and len(space.shape) == 3
+
+
+# The spaces a Dict observation's entries may have: arrays, which DictNet (beast/models.py)
+# encodes by their rank.
+DICT_ENTRY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete)
+
+
+def observation_layout(space):
+    """(shape, dtype) of one observation of `space`; for a Dict space, ({entry: shape},
+    {entry: dtype}), one rollout field per entry (beast/rollout.py OBSERVATION_PREFIX).
+
+    Raises ValueError naming every entry of a Dict that is not an array the models can encode
+    (a Text, a nested Dict or Tuple, ...).
+    """
+    if not isinstance(space, spaces.Dict):
+        return tuple(space.shape), np.dtype(space.dtype)
+    bad = [f"{key!r} ({type(entry).__name__})" for key, entry in space.spaces.items()
+           if not isinstance(key, str) or not isinstance(entry, DICT_ENTRY_SPACES)]
+    if bad or not space.spaces:
+        raise ValueError(
+            f"the Dict observation has entries the models cannot encode: "
+            f"{', '.join(bad) or 'none at all'}. Every entry must be an array space with a str "
+            f"name ({', '.join(s.__name__ for s in DICT_ENTRY_SPACES)}); drop the others or "
+            "turn them into arrays in a wrapper (beast/envs.py WRAPPERS)")
+    return ({key: tuple(entry.shape) for key, entry in space.spaces.items()},
+            {key: np.dtype(entry.dtype) for key, entry in space.spaces.items()})
+
+
+def _wants_float32(space):
+    """Discrete (an index) and non-float32 vector observations become float32 vectors."""
+    return isinstance(space, spaces.Discrete) or (
+        isinstance(space, spaces.Box) and len(space.shape) == 1 and space.dtype != np.float32)
+
+
+class Float32DictEntries(gymnasium.ObservationWrapper):
+    """What Float32Observation does to a whole observation, to each entry of a Dict that needs
+    it: Discrete entries become one-hot float32 vectors, other vectors float32."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        entries = dict(env.observation_space.spaces)
+        self._one_hot, self._cast = {}, []
+        for key, space in entries.items():
+            if isinstance(space, spaces.Discrete):
+                self._one_hot[key] = (np.eye(space.n, dtype=np.float32), int(space.start))
+                entries[key] = spaces.Box(0.0, 1.0, (int(space.n),), dtype=np.float32)
+            elif _wants_float32(space):
+                self._cast.append(key)
+                entries[key] = spaces.Box(space.low.astype(np.float32),
+                                          space.high.astype(np.float32), space.shape, np.float32)
+        self.observation_space = spaces.Dict(entries)
+
+    def observation(self, observation):
+        observation = dict(observation)
+        for key, (eye, start) in self._one_hot.items():
+            observation[key] = eye[int(observation[key]) - start].copy()
+        for key in self._cast:
+            observation[key] = np.asarray(observation[key], dtype=np.float32)
+        return observation
+
+
+def _render_kwargs(render_mode):
+    # Not render_mode=None: gymnasium.make passes it on, and an env without the argument fails.
+    return {} if render_mode is None else {"render_mode": render_mode}
+
+
+def _make_registered(env_id, render_mode=None):
     """gymnasium.make(env_id), with LegacyGymAPI for old-API envs and float32 vector observations.
 
     Old-API detection: one reset() of the unwrapped env at creation; if it returns the observation
@@ -415,7 +493,7 @@ def _make_registered(env_id):
     """
     spec = gymnasium.spec(env_id)
     try:
-        env = gymnasium.make(env_id, disable_env_checker=True)
+        env = gymnasium.make(env_id, disable_env_checker=True, **_render_kwargs(render_mode))
         raw = env.unwrapped
     except TypeError:
         creator = spec.entry_point
@@ -429,14 +507,14 @@ def _make_registered(env_id):
         if spec.max_episode_steps is not None:
             env = gymnasium.wrappers.TimeLimit(env, spec.max_episode_steps)
     space = env.observation_space
-    if isinstance(space, spaces.Discrete) or (
-        isinstance(space, spaces.Box) and len(space.shape) == 1 and space.dtype != np.float32
-    ):
+    if _wants_float32(space):
         env = Float32Observation(env)
+    elif isinstance(space, spaces.Dict) and any(map(_wants_float32, space.spaces.values())):
+        env = Float32DictEntries(env)
     return env
 
 
-def _make_minatar(env_id):
+def _make_minatar(env_id, render_mode=None):
     try:
         import minatar.gym
     except ImportError as error:
@@ -445,7 +523,8 @@ def _make_minatar(env_id):
         minatar.gym.register_envs()
     if env_id not in gymnasium.registry:
         raise ValueError(f"Unknown MinAtar id {env_id!r}; MinAtar ids are: {', '.join(MINATAR_IDS)}")
-    return ChannelsFirst(gymnasium.make(env_id, disable_env_checker=True))
+    return ChannelsFirst(gymnasium.make(env_id, disable_env_checker=True,
+                                        **_render_kwargs(render_mode)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,7 +623,7 @@ def _unknown_env_message(env_id):
     )
 
 
-def create_env(flags):
+def create_env(flags, render_mode=None):
     """Creates one environment for training or evaluation, wrapped in WRAPPERS.
 
     flags: argparse.Namespace with
@@ -554,25 +633,28 @@ def create_env(flags):
       env_backend (str, default "gymnasium"): "envpool" steps the Atari emulator in EnvPool's C++.
       repeat_action_probability (float or None, default None): Atari sticky actions; None keeps
         the id's own value (ALE/*-v5: 0.25, *-v4: 0.0).
+    render_mode: None (training: no rendering cost), or Gymnasium's "rgb_array" for an env
+      whose render() returns the screen (beast/video.py); such an env is always stepped by
+      Gymnasium, as EnvPool renders no colour screen (the same game and preprocessing).
     Seeding is the caller's: RolloutAdapter(env, seed) seeds the first reset.
     Returns a gymnasium.Env. Raises ValueError for an unknown id or a missing package.
     """
     backend = getattr(flags, "env_backend", "gymnasium") or "gymnasium"
-    if backend == "envpool":
+    if backend == "envpool" and render_mode is None:
         return EnvPoolSingle(create_envpool(flags, num_envs=1))
-    if backend != "gymnasium":
+    if backend not in ("gymnasium", "envpool"):
         raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
-    env = _make_env(flags)
+    env = _make_env(flags, render_mode)
     for wrapper in WRAPPERS:
         env = wrapper(env)
     return env
 
 
-def _make_env(flags):
+def _make_env(flags, render_mode=None):
     """The environment of flags.env before WRAPPERS."""
     env_id = flags.env
     if env_id.startswith("MinAtar/"):
-        return _make_minatar(env_id)
+        return _make_minatar(env_id, render_mode)
     if ":" in env_id:
         # Gymnasium's convention: "package.module:EnvId" imports the module, which registers its ids.
         module, env_id = env_id.split(":", 1)
@@ -586,42 +668,99 @@ def _make_env(flags):
     if env_id not in gymnasium.registry:
         raise ValueError(_unknown_env_message(env_id))
     if _atari_spec_kwargs(env_id) is not None:
-        return _make_atari(env_id, flags)
-    return _make_registered(env_id)
+        return _make_atari(env_id, flags, render_mode)
+    return _make_registered(env_id, render_mode)
 
 
 def env_kind(env):
     """"atari" when our Atari preprocessing (or EnvPool's) is anywhere inside `env`, whatever wraps
-    it; otherwise "image" for [C, H, W] observations and "vector" for the rest. The kind picks the
-    defaults of beast/flags.py."""
+    it; otherwise "image" for [C, H, W] observations, "continuous" for other observations with a
+    Box action space (continuous control: Pendulum, MuJoCo) and "vector" for the rest. The kind
+    picks the defaults of beast/flags.py; the action space alone picks the policy head, so an
+    image env with a Box action space gets the image defaults and a Gaussian policy."""
     layer = env
     while layer is not None:
         if isinstance(layer, (AtariPreprocessing, EnvPoolSingle)):
             return "atari"
         layer = getattr(layer, "env", None)
-    return "image" if len(env.observation_space.shape) == 3 else "vector"
+    if _has_image(env.observation_space):
+        return "image"
+    return "continuous" if isinstance(env.action_space, spaces.Box) else "vector"
 
 
 def env_info(flags):
     """What the learner needs to build the model, read from one environment created and closed here.
 
-    Returns dict(observation_shape: tuple, observation_dtype: np.dtype, num_actions: int,
-    kind: "atari" | "image" | "vector" (see env_kind), env_fields: the rollout fields the
-    environment side writes (beast/rollout.py)). Raises ValueError for a non-Discrete action
-    space or a bad rollout_fields declaration.
+    Returns dict(observation_shape: tuple, observation_dtype: np.dtype (for a Dict observation
+    {entry: shape} and {entry: dtype}, see observation_layout), num_actions: int,
+    continuous: bool, action_low and action_high, kind: "atari" | "image" | "continuous" |
+    "vector" (see env_kind), env_fields: the rollout fields the environment side writes
+    (beast/rollout.py)). For a Discrete action space num_actions is its size and the bounds are
+    None; for a Box of shape [A] (continuous) num_actions is A and the bounds are its float64
+    [A] low and high. Raises ValueError for another action space or a bad rollout_fields
+    declaration.
     """
     env = create_env(flags)
     try:
         adapter = RolloutAdapter(env)
+        box = adapter.box
         return dict(
             observation_shape=adapter.observation_shape,
-            observation_dtype=np.dtype(env.observation_space.dtype),
+            observation_dtype=adapter.observation_dtype,
             num_actions=adapter.num_actions,
+            continuous=box is not None,
+            action_low=None if box is None else box.space_low,
+            action_high=None if box is None else box.space_high,
             kind=env_kind(env),
             env_fields=adapter.fields,
         )
     finally:
         env.close()
+
+
+class BoxActions:
+    """The agent's actions for a one-dimensional Box action space of shape [A].
+
+    The agent acts in [-1, 1] per dimension whatever the bounds (an initial std of 1 then
+    explores every action range alike). to_env clips an action to [-1, 1] and maps it
+    affinely onto the Box's [low, high]; a dimension with an infinite bound passes as it is.
+    Clipped rather than squashed with tanh: the rollout keeps the unclipped sample, whose
+    log-density is the Gaussian's own, so V-trace's importance weights and the entropy term
+    stay exact (a tanh squash needs the log-det of its Jacobian in every log-probability, and
+    its entropy has no closed form). The policy's mean stays inside [-1, 1] (beast/models.py);
+    only its samples are clipped.
+    """
+
+    def __init__(self, space, env=None):
+        if len(space.shape) != 1:
+            raise ValueError(f"Environment {env} has the Box action space {space}; only "
+                             "one-dimensional Box action spaces [A] are supported")
+        self.size = int(space.shape[0])
+        self.dtype = space.dtype
+        self.space_low = space.low.astype(np.float64)
+        self.space_high = space.high.astype(np.float64)
+        bounded = np.isfinite(self.space_low) & np.isfinite(self.space_high)
+        # to_env is clip(action, clip_low, clip_high) * scale + center, dimension by dimension:
+        # [-1, 1] onto [low, high] where both bounds are finite, the identity elsewhere.
+        self._clip_low = np.where(bounded, -1.0, -np.inf).astype(np.float32)
+        self._clip_high = np.where(bounded, 1.0, np.inf).astype(np.float32)
+        low = np.where(bounded, self.space_low, 0.0)
+        high = np.where(bounded, self.space_high, 0.0)
+        self._scale = np.where(bounded, (high - low) / 2, 1.0).astype(np.float32)
+        self._center = ((high + low) / 2).astype(np.float32)
+
+    def agent_action(self, action):
+        """The agent's action (array-like, A numbers) as a fresh float32 [A] array."""
+        action = np.array(action, dtype=np.float32)
+        if action.shape != (self.size,):
+            action = action.reshape(self.size)  # a [1, A] row, say; a wrong size raises here
+        return action
+
+    def to_env(self, action):
+        """The Box action (a new array, [A], the space's dtype) for the agent's float32 [A]
+        action."""
+        env_action = action.clip(self._clip_low, self._clip_high) * self._scale + self._center
+        return env_action if env_action.dtype == self.dtype else env_action.astype(self.dtype)
 
 
 class RolloutAdapter:
@@ -630,7 +769,8 @@ class RolloutAdapter:
     initial() / step(action) return a dict with one entry per env field of beast/rollout.py:
       frame          observation, as the env returns it (uint8 [4, 84, 84] for Atari,
                      float32 [obs_dim] for vector tasks); every env from create_env returns a
-                     fresh array each step, which the caller may keep,
+                     fresh array each step, which the caller may keep; a Dict observation
+                     gives one field frame/<key> per entry instead (observation_layout),
       reward         float32, the reward of the step that led here (0 at initial()),
       done           bool, this step ended a training episode (True at initial()),
       truncated      bool, this step was cut short by a time limit (see below),
@@ -638,7 +778,8 @@ class RolloutAdapter:
                      as end-of-life episodes do; else == done; False at initial()),
       episode_return float32, the real game's return so far; at game_over the finished game's total,
       episode_step   int32, the real game's steps so far; at game_over the finished game's length,
-      last_action    int64, the action that led here (0 at initial()),
+      last_action    int64, the action that led here (0 at initial()); with a Box action space,
+                     float32 [A], the agent's action as step() got it, before BoxActions clips it,
     plus the fields that the env or its wrappers declare in `rollout_fields`, read from the info
     dict of each step (required) and of reset() (zeros when absent).
     When a step ends an episode, step() resets the env: the frame returned is the next episode's
@@ -649,18 +790,27 @@ class RolloutAdapter:
     """
 
     def __init__(self, gym_env, seed=None):
-        if not isinstance(gym_env.action_space, spaces.Discrete):
+        space = gym_env.action_space
+        # A Box action space: step() takes the agent's float32 [A] actions (see BoxActions).
+        self.box = BoxActions(space, gym_env) if isinstance(space, spaces.Box) else None
+        if self.box is None and not isinstance(space, spaces.Discrete):
             raise ValueError(
-                f"Environment {gym_env} has action space {gym_env.action_space}; only Discrete "
-                "action spaces are supported (the policy is a softmax over actions)")
+                f"Environment {gym_env} has action space {space}; only Discrete action spaces "
+                "(a softmax policy) and one-dimensional Box ones (a Gaussian policy) are supported")
         self.env = gym_env
         self.seed = seed
         self.observation_space = gym_env.observation_space
-        self.observation_shape = tuple(gym_env.observation_space.shape)
-        self.num_actions = int(gym_env.action_space.n)
+        self.observation_shape, self.observation_dtype = observation_layout(
+            gym_env.observation_space)
+        # A Dict observation's (entry, field name, dtype), one field per entry; None otherwise.
+        self._entries = None if not isinstance(self.observation_shape, dict) else tuple(
+            (key, rollout.OBSERVATION_PREFIX + key, dtype)
+            for key, dtype in self.observation_dtype.items())
+        self.num_actions = self.box.size if self.box else int(space.n)
         self.extra_fields = rollout.declared_fields(gym_env)
-        self.fields = rollout.core_env_fields(self.observation_shape,
-                                              gym_env.observation_space.dtype) + self.extra_fields
+        self.fields = rollout.core_env_fields(
+            self.observation_shape, self.observation_dtype,
+            self.num_actions if self.box else None) + self.extra_fields
         if seed is not None:
             gym_env.action_space.seed(seed)
         self._seed_pending = True  # the seed goes to the first reset only; later resets continue its RNG
@@ -684,17 +834,24 @@ class RolloutAdapter:
             game_over=np.bool_(False),
             episode_return=np.float32(0.0),
             episode_step=np.int32(0),
-            last_action=np.int64(0),
+            last_action=np.int64(0) if self.box is None else np.zeros(self.box.size, np.float32),
         )
         if self.extra_fields:
             self._add_declared(output, info, required=False)
+        if self._entries is not None:
+            self._put_entries(output, output.pop("frame"))
         return output
 
     def step(self, action):
         if self._reset_pending:  # the last step returned a time limit's final observation
             return self.initial()
-        action = int(action)
-        frame, reward, terminated, truncated, info = self.env.step(action)
+        if self.box is None:
+            action = int(action)
+            env_action = action
+        else:
+            action = self.box.agent_action(action)
+            env_action = self.box.to_env(action)
+        frame, reward, terminated, truncated, info = self.env.step(env_action)
         done = terminated or truncated
         game_over = info.get("game_over", done)
         # Cut short by a time limit: this step returns the final observation (so that the
@@ -717,14 +874,22 @@ class RolloutAdapter:
             game_over=np.bool_(game_over),
             episode_return=np.float32(episode_return),
             episode_step=np.int32(episode_step),
-            last_action=np.int64(action),
+            last_action=np.int64(action) if self.box is None else action,
         )
         if self.extra_fields:
             self._add_declared(output, info, required=True)
         if done:
             frame, _ = self.env.reset()
-        output["frame"] = frame
+        if self._entries is None:
+            output["frame"] = frame
+        else:
+            self._put_entries(output, frame)
         return output
+
+    def _put_entries(self, output, observation):
+        """A Dict observation's entries into `output`, each under its field's name."""
+        for key, name, dtype in self._entries:
+            output[name] = np.asarray(observation[key], dtype=dtype)
 
     def _add_declared(self, output, info, required):
         for field in self.extra_fields:

@@ -12,6 +12,7 @@ that starts env servers on the same environment. Env server addresses are parsed
 """
 
 import argparse
+import importlib.util
 import os
 
 # The kinds of environment that choose defaults, as beast.envs.env_info reports them in
@@ -20,6 +21,7 @@ KIND_LABELS = {
     "atari": "Atari",  # ALE games with our preprocessing: uint8 [4, 84, 84]
     "image": "other images",  # any other [C, H, W] observation, e.g. MinAtar's [C, 10, 10]
     "vector": "vector",  # [D] observations, e.g. CartPole's [4]
+    "continuous": "continuous control",  # [D] observations and a Box action space: Pendulum
 }
 
 # Defaults by kind of environment, for the flags that default to None. Every kind lists every key.
@@ -35,6 +37,8 @@ ENV_DEFAULTS = {
         hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
         reward_clipping="abs_one",
         episodic_life=False,
+        discounting=0.99,
+        reward_scale=1.0,
     ),
     # Written for MinAtar: the vector settings except for the net, the schedule and the step
     # size; unroll_length and entropy_cost keep the values they had before the CartPole tuning.
@@ -52,6 +56,8 @@ ENV_DEFAULTS = {
         hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
         reward_clipping="none",
         episodic_life=False,
+        discounting=0.99,
+        reward_scale=1.0,
     ),
     # Chosen with `python -m bench.solve` (2 cores, MonoBeast): CartPole-v1 reached a mean
     # return of 475 in 65 of 65 tuning runs and 6 of 8 later checks on a loaded machine
@@ -72,6 +78,31 @@ ENV_DEFAULTS = {
         hidden_size=128,
         reward_clipping="none",
         episodic_life=False,
+        discounting=0.99,
+        reward_scale=1.0,
+    ),
+    # Gaussian policies on Box action spaces (beast/models.py), chosen on Pendulum-v1 (2 cores,
+    # MonoBeast, 300k steps; tests/test_continuous.py): 14 seeds of 14 passed a mean return of
+    # -400 at 80k-150k steps. Short unrolls and small batches: IMPALA makes one update per
+    # batch, and T=80 B=16 made an eighth as many (still -1,070 after 300k steps). Rewards
+    # times 0.1 keep the values near 1: unscaled (-16 per step at worst), the value loss
+    # swamps the shared torso, and the same seed took 230k steps instead of 145k. Discount
+    # 0.9: 0.95 learned a little slower and failed on 1 seed of 12, 0.99 had not learned in
+    # 300k steps. Locomotion tasks (MuJoCo) usually want 0.99, which bench/learn.py passes
+    # for HalfCheetah. The mean is tanh-squashed (beast/models.py): without it, these settings
+    # stalled near -1,600, worse than random, as a torque pinned at a bound does.
+    "continuous": dict(
+        model="mlp",
+        total_steps=1_000_000,
+        batch_size=8,
+        unroll_length=20,
+        learning_rate=0.003,
+        entropy_cost=0.0,
+        hidden_size=64,
+        reward_clipping="none",
+        episodic_life=False,
+        discounting=0.9,
+        reward_scale=0.1,
     ),
 }
 
@@ -239,11 +270,15 @@ def _add_loss_flags(group):
                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
     group.add_argument("--baseline_cost", type=float, default=0.5,
                        help="Baseline (value) cost.")
-    group.add_argument("--discounting", type=float, default=0.99,
-                       help="Discount factor.")
+    group.add_argument("--discounting", type=float, default=None,
+                       help=f"Discount factor (default: {_env_default('discounting')}).")
     group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
                        help="Clip rewards to [-1, 1] for learning "
                             f"(default: {_env_default('reward_clipping')}).")
+    group.add_argument("--reward_scale", type=float, default=None,
+                       help="Multiply rewards by this for learning, before --reward_clipping; "
+                            "the logged returns stay the environment's "
+                            f"(default: {_env_default('reward_scale')}).")
     # RMSprop, as in TorchBeast.
     group.add_argument("--learning_rate", type=float, default=None,
                        help="Initial learning rate, decayed linearly to 0 at total_steps "
@@ -274,11 +309,30 @@ def _add_logging_flags(group):
                        help="Episodes per offline evaluation.")
     group.add_argument("--eval_policy", default="greedy", choices=["greedy", "sample"],
                        help="How offline evaluation and --mode test act: the argmax of the "
-                            "policy (as TorchBeast's test mode), or actions sampled from it.")
+                            "policy (as TorchBeast's test mode; a Gaussian policy's mean), or "
+                            "actions sampled from it.")
     group.add_argument("--test_episodes", type=int, default=10,
                        help="Episodes to play in --mode test.")
     group.add_argument("--no_progress", action="store_true",
                        help="Do not draw the status line.")
+    _add_video_and_wandb_flags(group)
+
+
+def _add_video_and_wandb_flags(group):
+    group.add_argument("--record_video", action="store_true",
+                       help="--mode test: write an MP4 of each game's screen (the "
+                            "environment's RGB render) to savedir/xpid/videos/.")
+    group.add_argument("--eval_video_interval_steps", type=int, default=0,
+                       help="Record one offline-evaluation game as an MP4 in savedir/xpid/videos/ "
+                            "every this many steps, named by step (0: never).")
+    group.add_argument("--wandb_project", default=None,
+                       help="Also log to this Weights & Biases project (pip install wandb): "
+                            "the logs.csv numbers, the flags, the videos (default: off).")
+    group.add_argument("--wandb_entity", default=None,
+                       help="W&B entity (user or team) of --wandb_project (default: W&B's own).")
+    group.add_argument("--wandb_mode", default=None, choices=["online", "offline"],
+                       help="W&B mode; offline writes the run to disk for `wandb sync` "
+                            "(default: W&B's own choice, or the WANDB_MODE variable).")
 
 
 def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):
@@ -286,7 +340,7 @@ def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):
 
     Args:
       flags: the parsed argparse.Namespace; changed in place.
-      info: dict from beast.envs.env_info; reads info["kind"] ("atari", "image" or "vector").
+      info: dict from beast.envs.env_info; reads info["kind"] (a key of KIND_LABELS).
       table: {kind: {flag: value}}; ENV_DEFAULTS, or a script's own table of the same shape.
       names: fill only these flags (e.g. env_flag_names() for an env server); None: all of
         the table's.
@@ -320,8 +374,13 @@ def validate_flags(flags, extra_problems=()):
     need(flags.total_steps >= 1, f"--total_steps must be positive (got {flags.total_steps}).")
     need(flags.num_learner_threads >= 1,
          f"--num_learner_threads must be at least 1 (got {flags.num_learner_threads}).")
+    # MonoBeast's --deterministic: with several threads, timing would order the updates.
+    need(not getattr(flags, "deterministic", False) or flags.num_learner_threads == 1,
+         "--deterministic learns in one thread: drop --num_learner_threads "
+         f"(got {flags.num_learner_threads}) or set it to 1.")
     need(0.0 <= flags.discounting <= 1.0,
          f"--discounting must lie in [0, 1] (got {flags.discounting}).")
+    need(flags.reward_scale > 0, f"--reward_scale must be positive (got {flags.reward_scale}).")
     need(flags.learning_rate > 0, f"--learning_rate must be positive (got {flags.learning_rate}).")
     for name in ("entropy_cost", "baseline_cost", "grad_norm_clipping"):
         value = getattr(flags, name)
@@ -335,8 +394,34 @@ def validate_flags(flags, extra_problems=()):
     if flags.num_torch_threads is not None:
         need(flags.num_torch_threads >= 1,
              f"--num_torch_threads must be at least 1 (got {flags.num_torch_threads}).")
+    problems += video_and_wandb_problems(flags)
     if problems:
         raise FlagError(problems)
+
+
+def video_and_wandb_problems(flags):
+    """The problems with the video and W&B flags that need no environment (beast/video.py
+    checks that the environment renders)."""
+    problems = []
+    interval = flags.eval_video_interval_steps
+    if interval < 0:
+        problems.append(f"--eval_video_interval_steps must not be negative (got {interval}).")
+    if flags.record_video and flags.mode != "test":
+        problems.append("--record_video records the games of --mode test; while training, "
+                        "record evaluation games with --eval_video_interval_steps N.")
+    videos = flags.record_video or interval > 0
+    missing = [p for p, module in (("imageio", "imageio"), ("imageio-ffmpeg", "imageio_ffmpeg"))
+               if importlib.util.find_spec(module) is None]
+    if videos and missing:
+        problems.append(f"videos need the package(s) {', '.join(missing)}: "
+                        f"pip install {' '.join(missing)}")
+    if flags.wandb_project is None:
+        for name in ("wandb_entity", "wandb_mode"):
+            if getattr(flags, name) is not None:
+                problems.append(f"--{name} needs --wandb_project.")
+    elif importlib.util.find_spec("wandb") is None:  # find_spec: W&B is not imported here
+        problems.append("--wandb_project needs the Weights & Biases package: pip install wandb")
+    return problems
 
 
 class FlagError(ValueError):

@@ -10,6 +10,7 @@ agent-side tensors are cut to [:-1] and environment-side tensors to [1:].
 
 import contextlib
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +38,11 @@ class LossInputs:
       vtrace_returns: vtrace.VTraceFromLogitsReturns, all float32 [T, B]: vs and
         pg_advantages (targets, no gradient), log_rhos,
         behavior_action_log_probs, target_action_log_probs (with gradient).
-      target_logits: float32 [T, B, A], learner_outputs["policy_logits"][:-1].
+      target_logits: float32 [T, B, A], learner_outputs["policy_logits"][:-1];
+        None with a Gaussian policy (continuous actions).
       values: float32 [T, B], learner_outputs["baseline"][:-1], with gradient.
+      target_mean, target_logstd: with a Gaussian policy, float32 [T, B, A],
+        learner_outputs["policy_mean"][:-1] and ["policy_logstd"][:-1]; else None.
     """
 
     batch: dict
@@ -46,6 +50,30 @@ class LossInputs:
     vtrace_returns: vtrace.VTraceFromLogitsReturns
     target_logits: torch.Tensor
     values: torch.Tensor
+    target_mean: torch.Tensor = None
+    target_logstd: torch.Tensor = None
+
+
+# log(2 pi) / 2 and log(2 pi e) / 2, the constants of a Gaussian's log-density and entropy.
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+HALF_LOG_2PIE = 0.5 * math.log(2 * math.pi * math.e)
+
+
+def gaussian_log_probs(mean, logstd, actions):
+    """log N(actions; mean, exp(logstd)^2) of a diagonal Gaussian, summed over the action dims.
+
+    Args: float32 [T, B, A] each. Returns float32 [T, B], with gradient to mean and logstd.
+    """
+    z = (actions - mean) * torch.exp(-logstd)
+    return -(0.5 * z * z + logstd + HALF_LOG_2PI).sum(dim=-1)
+
+
+def gaussian_entropy(logstd):
+    """The entropy of a diagonal Gaussian, summed over the action dims.
+
+    Args: logstd float32 [T, B, A]. Returns float32 [T, B].
+    """
+    return (logstd + HALF_LOG_2PIE).sum(dim=-1)
 
 
 # Every term sums over time and batch, as TorchBeast does, so that its
@@ -66,6 +94,8 @@ def baseline_loss(flags, inputs):
 def entropy_loss(flags, inputs):
     """Negative entropy of pi, so minimising it keeps the policy exploring;
     needs flags.entropy_cost."""
+    if inputs.target_logits is None:  # a Gaussian policy
+        return -flags.entropy_cost * gaussian_entropy(inputs.target_logstd).sum()
     log_policy = F.log_softmax(inputs.target_logits, dim=-1)
     return flags.entropy_cost * (log_policy.exp() * log_policy).sum()
 
@@ -81,19 +111,13 @@ def loss_inputs(flags, learner_outputs, batch):
 
     Args: as compute_loss.
     """
+    if "policy_mean" in learner_outputs:  # a Gaussian policy over continuous actions
+        return _gaussian_loss_inputs(flags, learner_outputs, batch)
     # The value of the last observation bootstraps the returns beyond T.
     bootstrap_value = learner_outputs["baseline"][-1]
     target_logits = learner_outputs["policy_logits"][:-1].float()
     values = learner_outputs["baseline"][:-1].float()
-    rewards = clip_rewards(batch["reward"][1:].float(), flags.reward_clipping)
-    # A done at t+1 means x_{t+1} starts a new episode: nothing flows back.
-    discounts = (~batch["done"][1:]).float() * flags.discounting
-    if "truncated" in batch:
-        # x_t is a time limit's final observation: the episode did not end, it was cut.
-        # The step t -> t+1 into the next episode is no transition; with the reward V(x_t)
-        # and the discount 0 (done at t+1) its V-trace target is V(x_t) exactly, its
-        # advantage 0, and the step into x_t bootstraps from V(x_t) as if the episode went on.
-        rewards = torch.where(batch["truncated"][:-1], values.detach(), rewards)
+    rewards, discounts = _transitions(flags, batch, values)
     returns = vtrace.from_logits(
         behavior_policy_logits=batch["policy_logits"][:-1],
         target_policy_logits=target_logits,
@@ -108,11 +132,58 @@ def loss_inputs(flags, learner_outputs, batch):
                       values=values)
 
 
+def _transitions(flags, batch, values):
+    """(rewards, discounts), float32 [T, B] each, of the T transitions of a batch;
+    values: float32 [T, B], V(x_t)."""
+    rewards = batch["reward"][1:].float()
+    scale = getattr(flags, "reward_scale", 1.0)
+    if scale != 1.0:  # skipped at 1, so that unscaled runs pay nothing for it
+        rewards = rewards * scale
+    rewards = clip_rewards(rewards, flags.reward_clipping)
+    # A done at t+1 means x_{t+1} starts a new episode: nothing flows back.
+    discounts = (~batch["done"][1:]).float() * flags.discounting
+    if "truncated" in batch:
+        # x_t is a time limit's final observation: the episode did not end, it was cut.
+        # The step t -> t+1 into the next episode is no transition; with the reward V(x_t)
+        # and the discount 0 (done at t+1) its V-trace target is V(x_t) exactly, its
+        # advantage 0, and the step into x_t bootstraps from V(x_t) as if the episode went on.
+        rewards = torch.where(batch["truncated"][:-1], values.detach(), rewards)
+    return rewards, discounts
+
+
+def _gaussian_loss_inputs(flags, learner_outputs, batch):
+    """loss_inputs for a Gaussian policy: V-trace on the log-densities of the actions taken.
+
+    The actions in the batch are the unclipped samples, so log mu(a_t|x_t) and
+    log pi(a_t|x_t) are exact, and log_rhos = log pi - log mu is the importance weight of the
+    action the environment saw (a clipped action is a function of the sample).
+    """
+    target_mean = learner_outputs["policy_mean"][:-1].float()
+    target_logstd = learner_outputs["policy_logstd"][:-1].float()
+    values = learner_outputs["baseline"][:-1].float()
+    rewards, discounts = _transitions(flags, batch, values)
+    actions = batch["action"][:-1]
+    target_log_probs = gaussian_log_probs(target_mean, target_logstd, actions)
+    behavior_log_probs = gaussian_log_probs(batch["policy_mean"][:-1], batch["policy_logstd"][:-1],
+                                            actions)
+    log_rhos = target_log_probs - behavior_log_probs
+    returns = vtrace.from_importance_weights(
+        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values,
+        bootstrap_value=learner_outputs["baseline"][-1].float())
+    returns = vtrace.VTraceFromLogitsReturns(
+        vs=returns.vs, pg_advantages=returns.pg_advantages, log_rhos=log_rhos,
+        behavior_action_log_probs=behavior_log_probs, target_action_log_probs=target_log_probs)
+    return LossInputs(batch=batch, learner_outputs=learner_outputs, vtrace_returns=returns,
+                      target_logits=None, values=values, target_mean=target_mean,
+                      target_logstd=target_logstd)
+
+
 def compute_loss(flags, learner_outputs, batch):
     """The V-trace actor-critic loss for one batch: the sum of LOSS_TERMS.
 
     Args:
-      flags: needs discounting, reward_clipping and whatever the terms read
+      flags: needs discounting, reward_clipping, reward_scale (1 when missing) and
+        whatever the terms read
         (baseline_cost, entropy_cost for the default ones).
       learner_outputs: dict of the learner's forward pass over the whole
         rollout: policy_logits float32 [T+1, B, A], baseline float32 [T+1, B];
@@ -120,13 +191,17 @@ def compute_loss(flags, learner_outputs, batch):
       batch: the rollout dict (see module docstring): policy_logits float32
         [T+1, B, A], action int64 [T+1, B], reward float32 [T+1, B], done bool
         [T+1, B]; other keys are passed on to the terms.
+      With a Gaussian policy (continuous actions), policy_mean and policy_logstd,
+      float32 [T+1, B, A] each, take the place of policy_logits in both, and the
+      batch's action is float32 [T+1, B, A].
 
     Returns:
       (total_loss scalar tensor, dict of detached scalar tensors for logging:
       total_loss and one entry per term, keyed by the term's __name__).
     """
     assert learner_outputs["baseline"].dim() == 2, "baseline must be [T+1, B]"
-    assert learner_outputs["policy_logits"].dim() == 3, "policy_logits must be [T+1, B, A]"
+    policy_key = "policy_mean" if "policy_mean" in learner_outputs else "policy_logits"
+    assert learner_outputs[policy_key].dim() == 3, f"{policy_key} must be [T+1, B, A]"
     inputs = loss_inputs(flags, learner_outputs, batch)
     losses = {}
     for term in LOSS_TERMS:
@@ -152,7 +227,8 @@ def autocast_context(device, precision):
     return contextlib.nullcontext()
 
 
-def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
+def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
+               average_gradients=None):
     """One optimisation step on one batch.
 
     Args:
@@ -165,6 +241,9 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
       batch: rollout dict of tensors [T+1, B, ...] on the learner device.
       initial_agent_state: tuple of the core state before step 0 of each
         rollout (float32 [num_layers, B, hidden] each, or () without a core).
+      average_gradients: with several learner ranks, fn(parameters) that replaces
+        each gradient by its mean over the ranks (beast/distributed.py), before the
+        clipping, so every rank clips, checks and applies the same gradient.
 
     Returns:
       dict of floats: compute_loss's stats, grad_norm (before clipping) and
@@ -179,6 +258,8 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
     total_loss, stats = compute_loss(flags, learner_outputs, batch)
     optimizer.zero_grad(set_to_none=True)
     total_loss.backward()
+    if average_gradients is not None:
+        average_gradients(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), flags.grad_norm_clipping)
     # A non-finite loss or gradient (an infinite reward, a diverged value) must never reach
     # the weights: the update is skipped. Reading the norm is a host sync (a CPU-GPU sync
@@ -193,9 +274,9 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state):
     return {k: float(v) for k, v in stats.items()}
 
 
-def create_optimizer(flags, model):
+def create_optimizer(flags, model, world_size=1):
     """RMSprop with TorchBeast's defaults and a learning rate that decays
-    linearly to zero at total_steps."""
+    linearly to zero at total_steps (the steps of all world_size learner ranks)."""
     optimizer = torch.optim.RMSprop(
         model.parameters(),
         lr=flags.learning_rate,
@@ -203,7 +284,7 @@ def create_optimizer(flags, model):
         eps=flags.epsilon,
         alpha=flags.alpha,
     )
-    steps_per_update = flags.unroll_length * flags.batch_size
+    steps_per_update = flags.unroll_length * flags.batch_size * world_size
 
     warmup = getattr(flags, "lr_warmup_steps", 0)
 

@@ -9,6 +9,14 @@ Every network has the same data path; only the torso differs:
                     from softmax(policy_logits) in train mode, its argmax in eval
                     mode (model.eval(): offline evaluation and --mode test)
 
+With a Box action space of A dimensions (continuous=True) the last action enters
+the core as itself, clipped to [-1, 1], instead of one-hot, and the policy is a
+diagonal Gaussian: policy_mean [T, B, A] = tanh of a linear head, policy_logstd
+[T, B, A] one learned parameter per dimension (state-independent), action [T, B, A]
+sampled from it in train mode, the mean in eval mode. Actions live in [-1, 1] per
+dimension, which the environment side clips and maps to the Box's bounds; the
+sample is stored unclipped so that its log-probability is exact (beast/learner.py).
+
 To try a new network, subclass ActorCritic, build the torso layers in
 __init__, pass their feature size to ActorCritic.__init__, write torso(), and
 add it to create_model. The core, the heads and the interface the learners use
@@ -19,13 +27,30 @@ in both variants: a new head only needs to return its output, [T, B, ...], and a
 loss term in beast/learner.py LOSS_TERMS can read it from the batch.
 """
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from beast.rollout import OBSERVATION_PREFIX
+
+
+# The Gaussian policy's initial log-std: std 1 in the policy's [-1, 1] action units, i.e.
+# half of each action range, so that the first episodes try the whole range.
+INITIAL_LOGSTD = 0.0
+
 
 def _conv_output_size(size, kernel_size, stride, padding=0):
     return (size + 2 * padding - kernel_size) // stride + 1
+
+
+def _as_float(x):
+    """An observation tensor as float32; uint8 pixels scaled to [0, 1]."""
+    if x.dtype == torch.uint8:
+        # Frames travel as uint8 to keep buffers and messages 4x smaller.
+        return x.float() / 255.0
+    return x.float()
 
 
 class ActorCritic(nn.Module):
@@ -33,15 +58,20 @@ class ActorCritic(nn.Module):
 
     Args:
       observation_shape: tuple, the shape of one observation (no [T, B]).
-      num_actions: int, size of the discrete action space.
+      num_actions: int, size of the discrete action space, or the length A of
+        the action vector when continuous.
       feature_size: int, width of the torso's output.
       use_lstm: bool, whether to put a one-layer LSTM between torso and heads.
+      continuous: bool, a Gaussian policy over float actions [A] (a Box action
+        space) instead of a softmax over num_actions.
     """
 
-    def __init__(self, observation_shape, num_actions, feature_size, use_lstm):
+    def __init__(self, observation_shape, num_actions, feature_size, use_lstm,
+                 continuous=False):
         super().__init__()
         self.observation_shape = tuple(observation_shape)
         self.num_actions = num_actions
+        self.continuous = continuous
         # The reward and last action let the policy condition on what its
         # previous action did, which matters most with a recurrent core.
         core_input_size = feature_size + 1 + num_actions
@@ -55,6 +85,15 @@ class ActorCritic(nn.Module):
             core_output_size = core_input_size
         self.policy = nn.Linear(core_output_size, num_actions)
         self.baseline = nn.Linear(core_output_size, 1)
+        if continuous:
+            # Means start near 0, the middle of every action range, so that the first
+            # episodes explore the whole range with the initial std rather than one end.
+            with torch.no_grad():
+                self.policy.weight.mul_(0.01)
+                self.policy.bias.zero_()
+            # State-independent, as PPO's usual Gaussian policy: simple and stable, and
+            # the entropy term (which depends on the log-std only) acts alike in every state.
+            self.policy_logstd = nn.Parameter(torch.full((num_actions,), INITIAL_LOGSTD))
 
     def torso(self, x):
         """Features of a flat batch of observations.
@@ -66,6 +105,21 @@ class ActorCritic(nn.Module):
           float32 [N, feature_size].
         """
         raise NotImplementedError
+
+    def encode(self, inputs):
+        """The torso's features of the observations in `inputs` (see forward).
+
+        Reads frame [T, B, *observation_shape]; DictNet reads its entries instead.
+        Returns float32 [T*B, feature_size].
+        """
+        frame = inputs["frame"]
+        if tuple(frame.shape[2:]) != self.observation_shape:
+            raise ValueError(
+                f"{type(self).__name__} was built for observations of shape "
+                f"{self.observation_shape}, got frames of shape "
+                f"{tuple(frame.shape)} (expected [T, B, *observation_shape])"
+            )
+        return self.torso(_as_float(frame.flatten(0, 1)))
 
     def initial_state(self, batch_size, device=None):
         """Core state at the start of an episode.
@@ -90,38 +144,32 @@ class ActorCritic(nn.Module):
         Args:
           inputs: dict of tensors with leading dims [T, B]:
             frame: uint8 (pixels, scaled by 1/255 here) or float32 (used as
-              is) [T, B, *observation_shape];
+              is) [T, B, *observation_shape] (a Dict observation: one
+              frame/<key> per entry instead, see DictNet);
             reward: float32 [T, B], reward of the step that led to frame;
             done: bool [T, B], True where frame starts a new episode (the
               core state is reset before that step);
-            last_action: int64 [T, B], the action that led to frame.
+            last_action: int64 [T, B], the action that led to frame (continuous:
+              float32 [T, B, A], as the agent chose it, before clipping).
           core_state: the state before step 0, as from initial_state(B); ()
             without an LSTM. An empty tuple given to an LSTM model means
             "start from zeros".
 
         Returns:
           (outputs, core_state): outputs is a dict with policy_logits float32
-          [T, B, A], baseline float32 [T, B] and action int64 [T, B];
+          [T, B, A], baseline float32 [T, B] and action int64 [T, B] (continuous:
+          policy_mean, policy_logstd and action, float32 [T, B, A] each);
           core_state is the state after step T-1.
         """
-        frame = inputs["frame"]
-        if tuple(frame.shape[2:]) != self.observation_shape:
-            raise ValueError(
-                f"{type(self).__name__} was built for observations of shape "
-                f"{self.observation_shape}, got frames of shape "
-                f"{tuple(frame.shape)} (expected [T, B, *observation_shape])"
-            )
-        T, B = frame.shape[:2]
-        x = frame.flatten(0, 1)
-        if x.dtype == torch.uint8:
-            # Frames travel as uint8 to keep buffers and messages 4x smaller.
-            x = x.float() / 255.0
-        else:
-            x = x.float()
-        features = self.torso(x)
+        features = self.encode(inputs)
+        T, B = inputs["reward"].shape[:2]
 
         reward = inputs["reward"].reshape(T * B, 1).float().clamp(-1.0, 1.0)
-        last_action = F.one_hot(inputs["last_action"].reshape(T * B), self.num_actions)
+        if self.continuous:
+            # Clipped: what the environment applied, in the policy's [-1, 1] units.
+            last_action = inputs["last_action"].reshape(T * B, self.num_actions).clamp(-1.0, 1.0)
+        else:
+            last_action = F.one_hot(inputs["last_action"].reshape(T * B), self.num_actions)
         core_input = torch.cat([features, reward, last_action.float()], dim=-1)
 
         if self.core is None:
@@ -130,8 +178,12 @@ class ActorCritic(nn.Module):
             core_output, core_state = self._run_core(core_input.view(T, B, -1),
                                                      inputs["done"], core_state)
 
-        policy_logits = self.policy(core_output)
         baseline = self.baseline(core_output)
+        if self.continuous:
+            outputs = self._gaussian_policy(core_output, T, B)
+            outputs["baseline"] = baseline.view(T, B)
+            return outputs, core_state
+        policy_logits = self.policy(core_output)
         if self.training:
             action = torch.multinomial(F.softmax(policy_logits, dim=1), num_samples=1)
         else:
@@ -145,6 +197,25 @@ class ActorCritic(nn.Module):
         )
         return outputs, core_state
 
+    def _gaussian_policy(self, core_output, T, B):
+        """The Gaussian head on core outputs [T*B, F]: policy_mean, policy_logstd and
+        action, float32 [T, B, A] each; the action is sampled in train mode, the mean in
+        eval mode."""
+        # tanh keeps the mean inside [-1, 1]: a mean beyond a bound would act like the
+        # bound, so its samples, all clipped alike, would carry no gradient to bring it back.
+        # Only the mean is squashed; the distribution stays a Gaussian, whose log-density
+        # and entropy are exact.
+        mean = torch.tanh(self.policy(core_output))
+        # A new tensor, not a view of the parameter: under no_grad (acting) it must not
+        # require a gradient, and acting stores it in buffers.
+        logstd = torch.zeros_like(mean) + self.policy_logstd
+        if self.training:
+            action = mean + logstd.exp() * torch.randn_like(mean)
+        else:
+            action = mean
+        shape = (T, B, self.num_actions)
+        return dict(policy_mean=mean.view(shape), policy_logstd=logstd.reshape(shape),
+                    action=action.view(shape))
 
     def _run_core(self, core_input, done, core_state):
         """The LSTM over [T, B, F] inputs; returns (outputs [T*B, F], state after T-1).
@@ -182,7 +253,7 @@ class AtariNet(ActorCritic):
     [4, 84, 84] for Atari).
     """
 
-    def __init__(self, observation_shape, num_actions, use_lstm=False):
+    def __init__(self, observation_shape, num_actions, use_lstm=False, continuous=False):
         observation_shape = tuple(observation_shape)
         if len(observation_shape) != 3:
             raise ValueError(
@@ -199,7 +270,7 @@ class AtariNet(ActorCritic):
                 f"shape {observation_shape}; use --model resnet for small frames"
             )
         feature_size = 512
-        super().__init__(observation_shape, num_actions, feature_size, use_lstm)
+        super().__init__(observation_shape, num_actions, feature_size, use_lstm, continuous)
         self.conv1 = nn.Conv2d(channels, 32, kernel_size=8, stride=4)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=4, stride=2)
         self.conv3 = nn.Conv2d(64, 64, kernel_size=3, stride=1)
@@ -235,7 +306,7 @@ class ResNet(ActorCritic):
     """
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
-                 channels=(16, 32, 32), feature_size=256):
+                 channels=(16, 32, 32), feature_size=256, continuous=False):
         observation_shape = tuple(observation_shape)
         if len(observation_shape) != 3:
             raise ValueError(
@@ -243,7 +314,7 @@ class ResNet(ActorCritic):
                 f"{observation_shape}; use --model mlp for vector observations"
             )
         in_channels, height, width = observation_shape
-        super().__init__(observation_shape, num_actions, feature_size, use_lstm)
+        super().__init__(observation_shape, num_actions, feature_size, use_lstm, continuous)
         sections = []
         for out_channels in channels:
             sections.append(
@@ -274,7 +345,7 @@ class MLP(ActorCritic):
     """
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
-                 hidden_size=64, activation="tanh"):
+                 hidden_size=64, activation="tanh", continuous=False):
         observation_shape = tuple(observation_shape)
         if len(observation_shape) != 1:
             raise ValueError(
@@ -287,7 +358,7 @@ class MLP(ActorCritic):
             raise ValueError(
                 f"MLP activation must be one of {sorted(activations)}, got {activation!r}"
             )
-        super().__init__(observation_shape, num_actions, hidden_size, use_lstm)
+        super().__init__(observation_shape, num_actions, hidden_size, use_lstm, continuous)
         self.layers = nn.Sequential(
             nn.Linear(observation_shape[0], hidden_size),
             activations[activation](),
@@ -299,10 +370,73 @@ class MLP(ActorCritic):
         return self.layers(x)
 
 
+class DictNet(ActorCritic):
+    """The network for Dict observations: one encoder per entry, then one layer over all.
+
+        frame/<key> [T, B, *shape] --encoder of the entry--> [T*B, hidden_size], each entry
+        concatenation [T*B, entries * hidden_size] --fc hidden_size, ReLU--> features
+
+    An entry's encoder depends on its rank: an image [C, H, W] gets conv 16 3x3 (padding 1),
+    the small net of the MinAtar paper, then conv 32 3x3 stride 2 (padding 1) for as long as
+    the map is wider than 12 px (so that an 84x84 frame reaches the fc at 11x11), ReLU after
+    each, then fc hidden_size, ReLU; anything else ([D] vectors, scalars, [H, W]) is
+    flattened and gets two fc layers of hidden_size with ReLU. The layer over the
+    concatenation lets the policy depend on the entries jointly (which cue one entry points
+    at in the other); without it the heads would only add up one term per entry.
+
+    Args (besides ActorCritic's):
+      observation_shapes: {entry: shape of one step}, in the order of the env's Dict.
+      hidden_size: int, the width of every encoder's output and of the features.
+    """
+
+    def __init__(self, observation_shapes, num_actions, use_lstm=False, hidden_size=64,
+                 continuous=False):
+        shapes = {key: tuple(shape) for key, shape in observation_shapes.items()}
+        if not shapes:
+            raise ValueError("a Dict observation needs at least one entry")
+        super().__init__((), num_actions, hidden_size, use_lstm, continuous)
+        self.observation_shape = shapes
+        # A list, not a ModuleDict: entry names may hold characters ("." say) that
+        # parameter names cannot.
+        self.encoders = nn.ModuleList(_entry_encoder(shape, hidden_size)
+                                      for shape in shapes.values())
+        self.mix = nn.Sequential(nn.Linear(len(shapes) * hidden_size, hidden_size), nn.ReLU())
+
+    def encode(self, inputs):
+        """Reads frame/<key> [T, B, *shape] for every entry; returns float32 [T*B, hidden_size]."""
+        features = []
+        for (key, shape), encoder in zip(self.observation_shape.items(), self.encoders):
+            entry = inputs[OBSERVATION_PREFIX + key]
+            if tuple(entry.shape[2:]) != shape:
+                raise ValueError(f"DictNet was built for entry {key!r} of shape {shape}, got "
+                                 f"{tuple(entry.shape)} (expected [T, B, *shape])")
+            x = _as_float(entry.flatten(0, 1))
+            features.append(encoder(x if len(shape) == 3 else x.reshape(len(x), -1)))
+        return self.mix(torch.cat(features, dim=1))
+
+
+def _entry_encoder(shape, hidden_size):
+    """DictNet's encoder of one entry: float32 [N, C, H, W] images, [N, size] otherwise ->
+    [N, hidden_size]."""
+    if len(shape) != 3:
+        return nn.Sequential(nn.Linear(math.prod(shape), hidden_size), nn.ReLU(),
+                             nn.Linear(hidden_size, hidden_size), nn.ReLU())
+    channels, height, width = shape
+    layers = [nn.Conv2d(channels, 16, kernel_size=3, padding=1), nn.ReLU()]
+    channels = 16
+    while max(height, width) > 12:
+        layers += [nn.Conv2d(channels, 32, kernel_size=3, stride=2, padding=1), nn.ReLU()]
+        channels = 32
+        height = _conv_output_size(height, 3, 2, padding=1)
+        width = _conv_output_size(width, 3, 2, padding=1)
+    layers += [nn.Flatten(), nn.Linear(channels * height * width, hidden_size), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
 MODELS = ("atari", "resnet", "mlp")
 
 
-def create_model(flags, observation_shape, num_actions):
+def create_model(flags, observation_shape, num_actions, continuous=False):
     """Build the network that flags ask for.
 
     Reads flags.model ("atari", "resnet" or "mlp"; when missing or None,
@@ -311,15 +445,21 @@ def create_model(flags, observation_shape, num_actions):
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
-      observation_shape: tuple, shape of one observation, e.g. (4, 84, 84).
-      num_actions: int.
+      observation_shape: tuple, shape of one observation, e.g. (4, 84, 84);
+        for a Dict observation a dict {entry: shape}, which gets DictNet
+        whatever flags.model says (--model names a net for one array).
+      num_actions: int; with continuous, the length A of the action vector.
+      continuous: a Gaussian policy for a Box action space (see ActorCritic).
 
     Raises:
       ValueError: with a message naming the --model to use, when the model is
         unknown or the observations do not fit it.
     """
-    observation_shape = tuple(observation_shape)
     use_lstm = bool(getattr(flags, "use_lstm", False))
+    if isinstance(observation_shape, dict):
+        return DictNet(observation_shape, num_actions, use_lstm=use_lstm,
+                       hidden_size=getattr(flags, "hidden_size", 64), continuous=continuous)
+    observation_shape = tuple(observation_shape)
     model = getattr(flags, "model", None)
     if model is None:
         if len(observation_shape) == 3:
@@ -332,14 +472,15 @@ def create_model(flags, observation_shape, num_actions):
                 f"--model atari and resnet take [C, H, W], --model mlp takes [D]"
             )
     if model == "atari":
-        return AtariNet(observation_shape, num_actions, use_lstm=use_lstm)
+        return AtariNet(observation_shape, num_actions, use_lstm=use_lstm, continuous=continuous)
     if model == "resnet":
-        return ResNet(observation_shape, num_actions, use_lstm=use_lstm)
+        return ResNet(observation_shape, num_actions, use_lstm=use_lstm, continuous=continuous)
     if model == "mlp":
         return MLP(
             observation_shape,
             num_actions,
             use_lstm=use_lstm,
             hidden_size=getattr(flags, "hidden_size", 64),
+            continuous=continuous,
         )
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")

@@ -35,6 +35,11 @@ AGENT = "agent"
 # Per-step shapes that depend on the environment (core_env_fields, Schema fill them in).
 OBSERVATION = "observation"
 NUM_ACTIONS = "num_actions"
+# A Gymnasium Dict observation has one field per entry, "frame/<key>", in place of `frame`:
+# each entry keeps its own dtype and shape. No other field can take such a name (core
+# fields and model outputs have no "/", declared_fields refuses the prefix), so an entry
+# called "reward" or "steps" cannot collide with the field of that name.
+OBSERVATION_PREFIX = "frame/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,8 @@ class Field:
 
 CORE_FIELDS = (
     Field("frame", None, OBSERVATION, ENV,
-          "the observation x_t (uint8 [4, 84, 84] on Atari, float32 [D] on vector tasks)"),
+          "the observation x_t (uint8 [4, 84, 84] on Atari, float32 [D] on vector tasks); a "
+          "Dict observation has one field per entry instead (OBSERVATION_PREFIX)"),
     Field("reward", np.float32, (), ENV, "reward of the step that led to x_t; 0 at the first"),
     Field("done", np.bool_, (), ENV,
           "x_t is the first observation of a training episode (the step that led here "
@@ -96,17 +102,64 @@ CORE_FIELDS = (
 )
 CORE_NAMES = tuple(f.name for f in CORE_FIELDS)
 
+# A Box action space of shape [A] changes the action fields: actions are float vectors, and
+# the behaviour policy is a diagonal Gaussian (beast/models.py) whose parameters replace
+# policy_logits. The agent acts in [-1, 1] per dimension, which the environment side maps to
+# the Box's bounds (beast/envs.py RolloutAdapter).
+CONTINUOUS_FIELDS = (
+    Field("last_action", np.float32, (NUM_ACTIONS,), ENV,
+          "the action that led to x_t, as the agent chose it (before clipping); 0 at the first"),
+    Field("policy_mean", np.float32, (NUM_ACTIONS,), AGENT,
+          "mean of the Gaussian behaviour policy mu(.|x_t)"),
+    Field("policy_logstd", np.float32, (NUM_ACTIONS,), AGENT,
+          "log standard deviation of mu(.|x_t), per action dimension"),
+    Field("action", np.float32, (NUM_ACTIONS,), AGENT,
+          "the action a_t sampled on x_t, before clipping: its log-probability under mu is "
+          "exact, which V-trace needs"),
+)
 
-def core_env_fields(observation_shape, observation_dtype):
-    """The core env fields, with the frame's shape and dtype filled in."""
+
+def core_fields(continuous=False):
+    """CORE_FIELDS for a Discrete action space; for a Box one, with CONTINUOUS_FIELDS in
+    place of last_action, policy_logits and action."""
+    if not continuous:
+        return CORE_FIELDS
+    by_name = {f.name: f for f in CONTINUOUS_FIELDS}
+    by_name["policy_logits"] = (by_name.pop("policy_mean"), by_name.pop("policy_logstd"))
     fields = []
-    for f in CORE_FIELDS:
+    for f in CORE_FIELDS:  # in CORE_FIELDS' order
+        new = by_name.get(f.name, f)
+        fields.extend(new if isinstance(new, tuple) else (new,))
+    return tuple(fields)
+
+
+def core_env_fields(observation_shape, observation_dtype, continuous_actions=None):
+    """The core env fields, with the frame's shape and dtype filled in.
+
+    continuous_actions: None for a Discrete action space, else A, the length of the action
+    vector of a Box action space (last_action becomes float32 [A]).
+    """
+    fields = []
+    for f in core_fields(continuous_actions is not None):
         if f.source != ENV:
+            continue
+        if f.shape == OBSERVATION and isinstance(observation_shape, dict):
+            fields += [dataclasses.replace(f, name=OBSERVATION_PREFIX + key, shape=tuple(shape),
+                                           dtype=observation_dtype[key],
+                                           doc=f"entry {key!r} of the Dict observation x_t")
+                       for key, shape in observation_shape.items()]
             continue
         if f.shape == OBSERVATION:
             f = dataclasses.replace(f, shape=tuple(observation_shape), dtype=observation_dtype)
+        elif f.shape == (NUM_ACTIONS,):
+            f = dataclasses.replace(f, shape=(int(continuous_actions),))
         fields.append(f)
     return tuple(fields)
+
+
+def observation_names(names):
+    """The names among `names` that hold the observation: `frame`, or one per Dict entry."""
+    return tuple(n for n in names if n == "frame" or n.startswith(OBSERVATION_PREFIX))
 
 
 def declared_fields(env):
@@ -123,10 +176,12 @@ def declared_fields(env):
             fields.append(f)
         layer = getattr(layer, "env", None)
     names = [f.name for f in fields]
-    clash = sorted({n for n in names if names.count(n) > 1 or n in CORE_NAMES})
+    clash = sorted({n for n in names if names.count(n) > 1 or n in CORE_NAMES
+                    or n.startswith(OBSERVATION_PREFIX)})
     if clash:
         raise ValueError(f"rollout_fields of {type(env).__name__} declare {', '.join(clash)} "
-                         "twice or with the name of a core field; rename them")
+                         f"twice, with the name of a core field or with the prefix "
+                         f"{OBSERVATION_PREFIX!r} of observation entries; rename them")
     return tuple(fields)
 
 
@@ -157,10 +212,14 @@ class Schema:
 
     Args:
       fields: Fields with concrete shapes and dtypes (no OBSERVATION/NUM_ACTIONS).
-      num_actions: the size of the action space, to check the core agent fields.
+      num_actions: the size of the action space (a Box's: the length A of its action
+        vector), to check the core fields.
+      continuous: whether the action space is a Box (core_fields(True) apply).
     """
 
-    def __init__(self, fields, num_actions):
+    def __init__(self, fields, num_actions, continuous=False):
+        self.num_actions = num_actions
+        self.continuous = continuous
         self.fields = {}
         for f in sorted(fields, key=lambda f: f.source != ENV):
             if f.name in self.fields:
@@ -170,13 +229,15 @@ class Schema:
         self._check_core(num_actions)
 
     @classmethod
-    def of(cls, env_fields, model, num_actions):
+    def of(cls, env_fields, model, num_actions, continuous=False):
         """The schema of a run: the environment's fields and what `model` returns."""
-        return cls(tuple(env_fields) + agent_fields(model, env_fields), num_actions)
+        return cls(tuple(env_fields) + agent_fields(model, env_fields), num_actions, continuous)
 
     def _check_core(self, num_actions):
-        for core in CORE_FIELDS:
+        for core in core_fields(self.continuous):
             f = self.fields.get(core.name)
+            if core.shape == OBSERVATION and observation_names(self.fields):
+                continue  # `frame`, or the entries of a Dict observation: any shape and dtype
             if f is None:
                 writer = "the model's forward" if core.source == AGENT else "the environment"
                 raise ValueError(f"{writer} must provide the rollout field {core.name!r} "

@@ -8,6 +8,11 @@ Layout of a run directory (``savedir/xpid/``)::
     logs.csv        one row per logging point: _time, step, then the stats
     tensorboard/    the same scalars as TensorBoard events
     model.tar       the checkpoint (written by beast.checkpoint)
+    videos/         MP4s of test and evaluation games (beast/video.py), when asked for
+    wandb_id        the Weights & Biases run id, with --wandb_project: a resume continues it
+
+With --wandb_project, StatsLogger sends W&B what it writes to logs.csv (and the videos);
+W&B is imported only then.
 """
 
 import collections
@@ -18,6 +23,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import shutil
 import socket
 import subprocess
@@ -90,6 +96,14 @@ class RunDir:
     def tb_dir(self):
         return os.path.join(self.path, "tensorboard")
 
+    @property
+    def videos_dir(self):
+        return os.path.join(self.path, "videos")
+
+    @property
+    def wandb_id_path(self):
+        return os.path.join(self.path, "wandb_id")
+
     def __repr__(self):
         return f"RunDir({self.path!r})"
 
@@ -128,8 +142,8 @@ def _write_json(path, obj):
         f.write("\n")
 
 
-def write_metadata(run_dir, flags):
-    """Writes flags.json (vars(flags)) and meta.json into run_dir.
+def write_metadata(run_dir, flags, extra=None):
+    """Writes flags.json (vars(flags)) and meta.json (with `extra`'s items) into run_dir.
 
     On a resume the files of the earlier start are kept as flags.json.1,
     meta.json.1 (then .2, ...), so the history of a run is never lost.
@@ -153,6 +167,7 @@ def write_metadata(run_dir, flags):
         "start_unix": now.timestamp(),
         "command": [sys.executable, *sys.argv],
         "cwd": os.getcwd(),
+        **(extra or {}),
     }
     flags_dict = flags if isinstance(flags, dict) else vars(flags)
     for path, obj in ((run_dir.flags_path, flags_dict), (run_dir.meta_path, meta)):
@@ -182,10 +197,15 @@ class StatsLogger:
     Args:
         run_dir: a RunDir.
         use_tensorboard: also write the numeric stats as TensorBoard scalars.
+        flags: the run's flags; with flags.wandb_project, the rows (and videos) go to
+            Weights & Biases too (WandbTracker).
     """
 
-    def __init__(self, run_dir, use_tensorboard=True):
+    def __init__(self, run_dir, use_tensorboard=True, flags=None):
         self.path = run_dir.logs_path
+        self._wandb = None
+        if flags is not None and getattr(flags, "wandb_project", None):
+            self._wandb = WandbTracker(run_dir, flags)
         self._fieldnames = None
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
@@ -197,8 +217,9 @@ class StatsLogger:
 
             self._tb = SummaryWriter(log_dir=run_dir.tb_dir)
 
-    def log(self, step, stats):
-        """Writes one row; stats maps names to numbers (or 0-d tensors, or strings)."""
+    def log(self, step, stats, videos=None):
+        """Writes one row; stats maps names to numbers (or 0-d tensors, or strings).
+        videos: {name: MP4 path}, for W&B (logs.csv and TensorBoard get the numbers alone)."""
         step = int(step)
         row = {k: _scalar(v) for k, v in stats.items() if k not in ("_time", "step")}
         row["_time"] = time.time()
@@ -220,6 +241,8 @@ class StatsLogger:
                 if not math.isnan(value):  # nan before the first episode ends
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, row, videos)
 
     def _widen(self, new_keys):
         """Rewrites logs.csv with new columns appended to the header."""
@@ -239,12 +262,83 @@ class StatsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            wandb_run, self._wandb = self._wandb, None
+            wandb_run.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+class TrackingError(RuntimeError):
+    """Weights & Biases cannot track the run; the message says what to do."""
+
+
+class WandbTracker:
+    """The run's Weights & Biases run: the flags as its config, the rows of logs.csv, videos.
+
+    Its id is kept in the run directory (RunDir.wandb_id_path) and W&B resumes it
+    (resume="allow"), so a resumed run goes on in the same W&B run. Rows are plotted against
+    the run's `step` (define_metric) rather than W&B's own counter, which must only grow:
+    an evaluation row arrives after later training rows, and a resume repeats the steps
+    logged after the last checkpoint.
+    """
+
+    def __init__(self, run_dir, flags):
+        try:
+            import wandb  # here: runs without --wandb_project never import it
+        except ImportError:
+            raise TrackingError("--wandb_project needs the Weights & Biases package: "
+                                "pip install wandb") from None
+        self._wandb = wandb
+        # Our own id (W&B takes lowercase letters and digits), written before W&B starts.
+        run_id = _read_or_create_id(run_dir.wandb_id_path, lambda: secrets.token_hex(4))
+        kwargs = dict(project=flags.wandb_project, entity=flags.wandb_entity, id=run_id,
+                      resume="allow", name=run_dir.xpid, mode=flags.wandb_mode)
+        if "WANDB_DIR" not in os.environ:
+            kwargs["dir"] = run_dir.path  # W&B's files in the run's folder, not the cwd
+        try:
+            self.run = wandb.init(**kwargs)
+        except Exception as e:  # W&B raises its own types (no login, no network, ...)
+            raise TrackingError(
+                f"Weights & Biases did not start: {type(e).__name__}: {e}\nLog in with "
+                "`wandb login`, or pass --wandb_mode offline (then `wandb sync` the run "
+                "later).") from None
+        # default=str: the config takes plain JSON, as flags.json does.
+        config = json.loads(json.dumps({k: v for k, v in vars(flags).items() if k != "given"},
+                                       default=str))
+        self.run.config.update(config, allow_val_change=True)  # a resume may change flags
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log(self, step, row, videos=None):
+        """One row of logs.csv (numbers only, nan left out as in TensorBoard) and videos
+        {name: MP4 path}, at the run's step."""
+        data = {key: value for key, value in row.items()
+                if key != "_time" and isinstance(value, (int, float)) and not math.isnan(value)}
+        data["step"] = int(step)
+        for name, path in (videos or {}).items():
+            data[name] = self._wandb.Video(path, format="mp4")
+        self.run.log(data)
+
+    def close(self):
+        self.run.finish()
+
+
+def _read_or_create_id(path, new_id):
+    """The id stored at `path`, or new_id() stored there first."""
+    if os.path.exists(path):
+        with open(path) as f:
+            run_id = f.read().strip()
+        if run_id:
+            return run_id
+    run_id = new_id()
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
 
 
 def read_logs(path):

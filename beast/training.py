@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from beast import checkpoint as ckpt
+from beast import distributed
 from beast import envs
 from beast import flags as beast_flags
 from beast import learner
 from beast import models
 from beast import rollout
 from beast import runlog
+from beast import video
 
 
 class UserError(Exception):
@@ -56,6 +58,8 @@ class Variant:
     environments:    flags -> context manager entered before the models are built (PolyBeast
                      starts its env servers here, so they boot while the models are built).
     per_start_flags: flags never taken from a resumed run's saved flags.
+    distributed:     whether it runs as several learner ranks under torchrun
+                     (beast/distributed.py); a variant that does not is refused there.
     """
 
     make_parser: object
@@ -64,62 +68,85 @@ class Variant:
     train_loop: object
     environments: object = lambda flags: contextlib.nullcontext()
     per_start_flags: frozenset = frozenset()
+    distributed: bool = False
 
 
 # ----------------------------------------------------------------------------
 # Set-up.
 
-def prepare(flags, check_flags=None):
+def prepare(flags, check_flags=None, ranks=None):
     """Resolves the run directory, saved flags and environment defaults, and
     checks everything before any work starts.
 
     Args:
       check_flags: optional fn(flags, info) -> list of problems, which fills
         the variant's own env-dependent flags and checks them.
+      ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
+        run directory and every rank gets its xpid, saved flags and checkpoint.
     Returns (run_dir, info, checkpoint or None).
     """
+    ranks = ranks or distributed.Single()
     # Nothing is created until every flag has been checked.
     run_dir = runlog.RunDir(flags.savedir, flags.xpid, create=False)
+    problem, saved = None, (run_dir.xpid, None, None)
+    if ranks.is_main:
+        try:
+            saved = (run_dir.xpid, *_saved_run(flags, run_dir))
+        except UserError as e:
+            problem = str(e)
+    # One message on every rank, not rank 0's error and the others' hang.
+    problem, (xpid, saved_flags, checkpoint) = ranks.share((problem, saved))
+    if problem is not None:
+        raise UserError(problem)
+    if not ranks.is_main:
+        run_dir = runlog.RunDir(flags.savedir, xpid, create=False)
     flags.xpid = run_dir.xpid
-    checkpoint = _saved_run(flags, run_dir)
+    if saved_flags is not None:
+        beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
     try:
         info = envs.env_info(flags)
     except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
     beast_flags.apply_env_defaults(flags, info)
     problems = list(check_flags(flags, info)) if check_flags else []
+    problems += video.render_problems(flags)  # before anything is written
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
     try:
         beast_flags.validate_flags(flags, problems)
         if checkpoint is not None:
             ckpt.check_compatible(checkpoint["flags"], flags)
-        run_dir.create()
+        if ranks.is_main:  # the others write nothing
+            run_dir.create()
     except (beast_flags.FlagError, ckpt.CheckpointError, runlog.RunDirError) as e:
         raise UserError(str(e)) from None
     return run_dir, info, checkpoint
 
 
 def _saved_run(flags, run_dir):
-    """On a resume (or --mode test), the saved flags fill the flags not given and the
-    checkpoint is read; returns it, or None for a new run."""
+    """On a resume (or --mode test): the saved flags (they fill the flags not given) and
+    the checkpoint; (None, None) for a new run."""
     if not os.path.exists(run_dir.checkpoint_path):
         if flags.mode == "test":
             raise UserError(f"No checkpoint at {run_dir.checkpoint_path}: train with "
-                            f"--xpid {flags.xpid} first, or give the --xpid of a trained run.")
-        return None
+                            f"--xpid {run_dir.xpid} first, or give the --xpid of a trained run.")
+        return None, None
+    saved_flags = None
     if os.path.exists(run_dir.flags_path):
         with open(run_dir.flags_path) as f:
-            beast_flags.merge_saved_flags(flags, json.load(f), flags.given)
+            saved_flags = json.load(f)
     try:
-        return ckpt.load_checkpoint(run_dir.checkpoint_path)
+        return saved_flags, ckpt.load_checkpoint(run_dir.checkpoint_path)
     except ckpt.CheckpointError as e:
         raise UserError(str(e)) from None
 
 
 def build_model(flags, info):
     try:
-        return models.create_model(flags, tuple(info["observation_shape"]), info["num_actions"])
+        # continuous only when it is: a create_model of (flags, shape, num_actions) still fits.
+        extra = dict(continuous=True) if info.get("continuous") else {}
+        return models.create_model(flags, info["observation_shape"], info["num_actions"],
+                                   **extra)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -152,13 +179,17 @@ class Learner:
 
     update() is one learner step; afterwards the acting model (MonoBeast's
     shared-memory copy, PolyBeast's inference replicas) gets the new weights.
+    With several learner ranks, the gradients are averaged over them and the step
+    counter counts every rank's steps (each rank makes the same number of updates).
     """
 
-    def __init__(self, flags, model, acting_model, checkpoint=None):
+    def __init__(self, flags, model, acting_model, checkpoint=None, ranks=None):
         self.flags = flags
         self.model = model
         self.acting_model = acting_model
-        self.optimizer, self.scheduler = learner.create_optimizer(flags, model)
+        self.ranks = ranks or distributed.Single()
+        self.optimizer, self.scheduler = learner.create_optimizer(flags, model,
+                                                                  self.ranks.world_size)
         self.step = 0
         self.skipped_updates = 0  # non-finite updates, all told
         self.skipped_in_a_row = 0
@@ -168,18 +199,26 @@ class Learner:
             self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
             self.scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
             self.step = int(checkpoint["step"])
+        if self.ranks.is_distributed:
+            # The same starting weights on every rank, whatever its seed.
+            model.load_state_dict(self.ranks.share(self.weights()))
         acting_model.load_state_dict(model.state_dict())
 
     def update(self, batch, initial_agent_state):
         """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
 
         An update whose loss or gradient is not finite is skipped and counted
-        (skipped_in_a_row); Run.learn decides when that ends the run.
+        (skipped_in_a_row); Run.learn decides when that ends the run. Returns (step, None)
+        without an update once total_steps is reached (another learner thread got there
+        first: with several ranks, an extra update would wait forever for the others).
         """
         with self.lock:
+            if self.step >= self.flags.total_steps:
+                return self.step, None
+            average = self.ranks.average_gradients if self.ranks.is_distributed else None
             stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                                       batch, initial_agent_state)
-            self.step += self.flags.unroll_length * self.flags.batch_size
+                                       batch, initial_agent_state, average)
+            self.step += self.flags.unroll_length * self.flags.batch_size * self.ranks.world_size
             if stats["skipped_update"]:
                 self._skipped(stats)
             else:
@@ -244,10 +283,13 @@ class TrainingStats:
                 while self.next_log_step <= step:
                     self.next_log_step += self.flags.log_interval_steps
 
-    def log(self, step, stats):
-        """Writes a row of other stats (evaluation results)."""
+    def log(self, step, stats, videos=None):
+        """Writes a row of other stats (evaluation results), with videos {name: MP4 path}."""
         with self.lock:
-            self.logger.log(step, stats)
+            if videos:
+                self.logger.log(step, stats, videos=videos)
+            else:
+                self.logger.log(step, stats)
 
 
 class ThreadErrors:
@@ -263,7 +305,7 @@ class ThreadErrors:
             try:
                 target(*args)
             except Exception as e:
-                if not isinstance(e, UserError):
+                if not isinstance(e, (UserError, distributed.DistributedError)):
                     traceback.print_exc()
                 # Without tracebacks (its own and its context's): their frames would keep
                 # alive what the thread held, e.g. an inference Batch whose actors wait
@@ -289,20 +331,26 @@ class Run:
     (or, in a serial loop, housekeeping()) until done() or a stop request.
     """
 
-    def __init__(self, flags, info, run_dir, checkpoint, logger, stop, model, acting_model):
+    def __init__(self, flags, info, run_dir, checkpoint, logger, stop, model, acting_model,
+                 ranks=None):
         self.flags, self.info, self.run_dir, self.stop = flags, info, run_dir, stop
+        self.ranks = ranks or distributed.Single()
         self.device = next(model.parameters()).device
         try:
-            self.schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+            self.schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"],
+                                            info.get("continuous", False))
         except ValueError as e:
             raise UserError(str(e)) from None
-        self.learner = Learner(flags, model, acting_model, checkpoint)
-        if checkpoint is not None:
+        self.learner = Learner(flags, model, acting_model, checkpoint, self.ranks)
+        if checkpoint is not None and self.ranks.is_main:
             print(f"Resuming {run_dir.path} from step {self.learner.step}.", file=sys.stderr)
         self.stats = TrainingStats(flags, logger, self.learner.step,
                                    checkpoint.get("episodes") if checkpoint else None)
-        self.evaluator = Evaluator(flags, info, self.learner.step)
-        self.status = None if flags.no_progress else runlog.StatusLine(flags.total_steps)
+        # Rank 0 alone evaluates, shows the status line and writes checkpoints.
+        self.evaluator = Evaluator(flags, info, self.learner.step, enabled=self.ranks.is_main,
+                                   videos_dir=run_dir.videos_dir)
+        self.status = (None if flags.no_progress or not self.ranks.is_main
+                       else runlog.StatusLine(flags.total_steps))
         self.errors = ThreadErrors()
         self.last_checkpoint = time.time()
 
@@ -312,6 +360,8 @@ class Run:
     def learn(self, batch, initial_agent_state):
         """One learner step on a batch [T+1, B, ...], with its stats and evaluation snapshot."""
         step, stats = self.learner.update(batch, initial_agent_state)
+        if stats is None:
+            return  # total_steps reached
         self.stats.record(step, stats, batch)
         if self.learner.skipped_in_a_row >= self.flags.max_nonfinite_updates:
             self.stats.log(step, stats)  # the row that shows why the run stops
@@ -349,6 +399,7 @@ class Run:
         actor process, say); a thread of `threads` that ends early is an error too."""
         while not self.done():
             time.sleep(0.2)
+            self.ranks.heartbeat()  # raises when another learner rank failed
             if self.stop.is_set():
                 print("\nStopping on request; the run can be resumed with "
                       f"--xpid {self.flags.xpid}.", file=sys.stderr)
@@ -365,7 +416,9 @@ class Run:
 
     def save(self):
         """Writes the checkpoint: everything a resume needs. Weights that are not finite
-        never overwrite the last good checkpoint."""
+        never overwrite the last good checkpoint. Only rank 0 writes one."""
+        if not self.ranks.is_main:
+            return
         state = self.learner.state_dict()
         bad = [k for k, v in state["model_state_dict"].items()
                if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -387,8 +440,39 @@ class Run:
 
 
 def train(flags, variant):
-    """Trains with `variant`'s actors until --total_steps or a stop request; returns the Run."""
-    run_dir, info, checkpoint = prepare(flags, variant.check_flags)
+    """Trains with `variant`'s actors until --total_steps or a stop request; returns the Run.
+
+    Under torchrun, this process is one of several learner ranks (beast/distributed.py);
+    when it ends with an error, its message goes to the others, which stop too.
+    """
+    ranks = join_ranks(flags, variant)
+    try:
+        run = _train(flags, variant, ranks)
+    except BaseException as e:
+        ranks.ended(f"{type(e).__name__}: {e}".splitlines()[0])
+        raise
+    if run.stop.is_set():
+        ranks.ended("stopped on request")
+    else:
+        ranks.close()
+    return run
+
+
+def join_ranks(flags, variant):
+    """distributed.Single() for one learner; under torchrun, the process group joined."""
+    if distributed.env_rank()[1] <= 1:
+        return distributed.Single()
+    if not variant.distributed:
+        raise UserError("this learner runs as one process; for several learner ranks under "
+                        "torchrun use polybeast (python -m polybeast).")
+    try:
+        return distributed.from_environment(flags)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _train(flags, variant, ranks):
+    run_dir, info, checkpoint = prepare(flags, variant.check_flags, ranks)
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)
@@ -396,31 +480,53 @@ def train(flags, variant):
     # finally blocks, which also stop whatever the variant started.
     stop = install_signal_handlers()
     with variant.environments(flags) as environments:
-        runlog.write_metadata(run_dir, flags)
-        with runlog.StatsLogger(run_dir) as logger:
+        if ranks.is_main:
+            runlog.write_metadata(run_dir, flags, dict(world_size=ranks.world_size,
+                                                       rank_hosts=list(ranks.hosts)))
+        with (runlog.StatsLogger(run_dir, flags=flags) if ranks.is_main
+              else contextlib.nullcontext(RankLogger(ranks))) as logger:
             model = build_model(flags, info).to(select_device(flags))
             acting_model = variant.acting_model(flags, info, model)
-            run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model)
+            run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
+            if ranks.is_distributed:  # the same weights everywhere, each rank its own actions
+                torch.manual_seed(distributed.rank_seed(flags.seed, ranks.rank))
             try:
                 variant.train_loop(run, acting_model, environments)
                 run.evaluator.run_pending(run.stats)  # the last snapshot, if training outran it
             finally:
                 run.close()
+    where = f"Run saved in {run_dir.path}" if ranks.is_main else ranks.name(ranks.rank)
     print(f"Trained to step {run.learner.step}; mean episode return "
-          f"{run.stats.episodes.mean_return():.2f}. Run saved in {run_dir.path}", file=sys.stderr)
+          f"{run.stats.episodes.mean_return():.2f}. {where}", file=sys.stderr)
     return run
+
+
+class RankLogger:
+    """The logger of a learner rank other than 0: its own throughput and returns, on
+    stderr; rank 0 writes the run's logs."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def log(self, step, stats):
+        if "sps" not in stats:
+            return
+        print(f"{self.ranks.name(self.ranks.rank)}: step {step}, "
+              f"{stats['sps'] / self.ranks.world_size:.0f} SPS on this rank, mean episode "
+              f"return {stats.get('mean_episode_return', float('nan')):.2f}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------
 # Evaluation and --mode test.
 
-def play_episodes(flags, model, num_episodes, seed):
+def play_episodes(flags, model, num_episodes, seed, video_paths=()):
     """Plays whole games with `model` on a fresh environment; returns their returns.
 
     With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
     of the policy), as TorchBeast's test mode does; with sample, in train mode.
+    video_paths: MP4 files for the screens of the first games (beast/video.py).
     """
-    env = envs.RolloutAdapter(envs.create_env(flags), seed=seed)
+    env = envs.RolloutAdapter(video.create_env(flags, video_paths), seed=seed)
     model.train(flags.eval_policy == "sample")
     returns = []
     try:
@@ -431,7 +537,7 @@ def play_episodes(flags, model, num_episodes, seed):
                       for k, v in env_output.items()}
             with torch.no_grad():
                 output, state = model(inputs, state)
-            env_output = env.step(int(output["action"].item()))
+            env_output = env.step(output["action"][0, 0].numpy())  # an int64, or float32 [A]
             if env_output["game_over"]:
                 returns.append(float(env_output["episode_return"]))
     finally:
@@ -441,7 +547,8 @@ def play_episodes(flags, model, num_episodes, seed):
 
 class Evaluator:
     """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
-    episodes on separate environments, logged apart from training episodes.
+    episodes on separate environments, logged apart from training episodes; every
+    --eval_video_interval_steps, one game recorded as an MP4 (beast/video.py).
 
     A learner thread takes a snapshot of the weights when a step crosses the
     interval (snapshot_if_due); the main thread plays the episodes later
@@ -449,53 +556,74 @@ class Evaluator:
     skipped however fast training runs.
     """
 
-    def __init__(self, flags, info, start_step):
+    def __init__(self, flags, info, start_step, enabled=True, videos_dir=None):
         self.flags = flags
         self.info = info
-        self.next_step = start_step + flags.eval_interval_steps
+        self.videos_dir = videos_dir
+        # Two schedules, evaluations and videos (--eval_video_interval_steps: one recorded
+        # game, in videos_dir); a snapshot serves whichever is due. An interval of 0 is off.
+        self.intervals = (flags.eval_interval_steps,
+                          flags.eval_video_interval_steps if videos_dir else 0)
+        self.enabled = enabled and any(i > 0 for i in self.intervals)
+        self.next_steps = [start_step + i if i > 0 else float("inf") for i in self.intervals]
         self.model = None
         self.lock = threading.Lock()
-        self.pending = []  # (step, weights) waiting to be played, oldest first. GUARDED_BY(lock)
+        # (step, weights, evaluate, record) waiting to be played, oldest first. GUARDED_BY(lock)
+        self.pending = []
         self.count = 0
 
     def snapshot_if_due(self, step, learner_):
-        if self.flags.eval_interval_steps <= 0 or step < self.next_step:
+        if not self.enabled or step < min(self.next_steps):
             return
         with self.lock:
-            if step < self.next_step:  # another learner thread took it
+            due = [step >= next_step for next_step in self.next_steps]
+            if not any(due):  # another learner thread took it
                 return
-            while self.next_step <= step:
-                self.next_step += self.flags.eval_interval_steps
+            for k, interval in enumerate(self.intervals):
+                while self.next_steps[k] <= step:
+                    self.next_steps[k] += interval
         weights = learner_.weights()
         with self.lock:
             # A few at most: if playing falls far behind, the oldest go unplayed.
-            self.pending = self.pending[-3:] + [(step, weights)]
+            self.pending = self.pending[-3:] + [(step, weights, *due)]
 
     def run_pending(self, stats):
         with self.lock:
             pending, self.pending = self.pending, []
-        for step, weights in pending:
+        for step, weights, evaluate, record in pending:
             if self.model is None:
                 self.model = build_model(self.flags, self.info)
             self.model.load_state_dict(weights)
             self.count += 1
-            returns = play_episodes(self.flags, self.model, self.flags.eval_episodes,
-                                    seed=10_000_000 + self.count)
-            stats.log(step, {"eval_mean_episode_return": float(np.mean(returns)),
-                             "eval_episodes": len(returns),
-                             "eval_policy": self.flags.eval_policy})
+            paths = [video.path_for_eval(self.videos_dir, step)] if record else []
+            # A video alone is one game; with an evaluation, its first game.
+            returns = play_episodes(self.flags, self.model,
+                                    self.flags.eval_episodes if evaluate else 1,
+                                    seed=10_000_000 + self.count, video_paths=paths)
+            row = {"video_episode_return": returns[0]} if paths else {}
+            if evaluate:
+                row.update(eval_mean_episode_return=float(np.mean(returns)),
+                           eval_episodes=len(returns), eval_policy=self.flags.eval_policy)
+            stats.log(step, row, videos={"eval_video": paths[0]} if paths else None)
 
 
 def test(flags, variant):
+    if distributed.env_rank()[1] > 1:
+        raise UserError("--mode test plays on one process: run it without torchrun.")
     run_dir, info, checkpoint = prepare(flags, variant.check_flags)
     torch.set_num_threads(flags.num_torch_threads)
     model = build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])
-    returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345)
+    paths = (video.paths_for_test(run_dir.videos_dir, checkpoint["step"], flags.test_episodes)
+             if flags.record_video else [])
+    returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345,
+                            video_paths=paths)
     print(f"Played {len(returns)} episodes ({flags.eval_policy} actions) with the checkpoint "
           f"of step {checkpoint['step']}: "
           f"mean return {np.mean(returns):.2f} (min {np.min(returns):.1f}, "
           f"max {np.max(returns):.1f}).")
+    if paths:
+        print(f"Videos of the episodes: {os.path.dirname(paths[0])}{os.sep}")
     return returns
 
 
@@ -519,7 +647,7 @@ def main(variant, argv=None):
             train(flags, variant)
         else:
             test(flags, variant)
-    except UserError as e:
+    except (UserError, distributed.DistributedError, runlog.TrackingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,6 +1,7 @@
 """A batch of environments stepped together: what an actor or an env-server stream drives.
 
-    actions [N] -> VectorEnv.step -> dict of arrays [N, ...], one per env field of the
+    actions [N] (float32 [N, A] for a Box action space) -> VectorEnv.step
+        -> dict of arrays [N, ...], one per env field of the
         rollout schema (beast/rollout.py; `fields` lists them)
 
 Each row follows RolloutAdapter's convention (see beast/envs.py): a step that ends an episode
@@ -74,6 +75,8 @@ class GymnasiumVectorEnv:
         self.restarts = 0
         self.envs = [self._make_env(j, 0) for j in range(num_envs)]
         self.fields = self.envs[0].fields
+        box = self.envs[0].box
+        self.actions_shape = (num_envs,) if box is None else (num_envs, box.size)
         self.outputs = _empty_outputs(num_envs, self.fields)
 
     def _make_env(self, j, restart):
@@ -90,12 +93,12 @@ class GymnasiumVectorEnv:
 
     def step(self, actions):
         actions = np.asarray(actions)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected {self.num_envs} actions, got an array of shape "
-                             f"{actions.shape}")
+        if actions.shape != self.actions_shape:
+            raise ValueError(f"expected {self.num_envs} actions, an array of shape "
+                             f"{self.actions_shape}, got one of shape {actions.shape}")
         for j, env in enumerate(self.envs):
             try:
-                env_output = env.step(int(actions[j]))
+                env_output = env.step(actions[j])  # the adapter takes an int or a row [A]
             except Exception:  # A broken environment must not end the run.
                 env_output = self._restart(j)
             self._store(j, env_output)

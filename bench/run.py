@@ -50,6 +50,8 @@ def workloads():
           "TorchBeast's",
           ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
         W("mono-pong-default", "monobeast", "ALE/Pong-v5", "repo defaults", []),
+        W("mono-pong-deterministic", "monobeast", "ALE/Pong-v5", "repo defaults, --deterministic",
+          ["--deterministic"]),
         W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
@@ -60,6 +62,8 @@ def workloads():
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
+        W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
+          "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
         # One environment per actor / stream, as TorchBeast does: the overhead per step
         # where this work started, measured beside today's defaults.

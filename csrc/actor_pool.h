@@ -37,7 +37,12 @@
 // On a single-environment stream, Action carries the action twice, as
 // `action` (int32, for our older servers) and as `nest_action`, a 0-d int64
 // array, which is all that TorchBeast's servers read. Batched streams send
-// nest_action only, int64 [N].
+// nest_action only, int64 [N]. A float action (a Box action space, [A] per
+// environment) travels as nest_action only, the float array itself: [A] for
+// one environment, [N, A] for a batch. A single-environment stream's
+// last_action is the action the actor sent last (initial_last_action, zeros
+// of the right dtype and shape, at the start of a stream): its server does not
+// send it.
 //
 // With envs_per_stream N > 0, every stream asks its server for N environments
 // (gRPC metadata "envs-per-stream: N", stream_layout.h), so that servers
@@ -84,7 +89,8 @@ class ActorPool {
             std::shared_ptr<DynamicBatcher> inference_batcher,
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
             std::vector<std::string> env_keys, double connect_timeout_s,
-            double stream_timeout_s, int64_t envs_per_stream = 0)
+            double stream_timeout_s, int64_t envs_per_stream = 0,
+            Array initial_last_action = filled_array<int64_t>(dtypes::kInt64, 0, {}))
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
@@ -93,7 +99,8 @@ class ActorPool {
         env_keys_(std::move(env_keys)),
         connect_timeout_(std::chrono::duration<double>(connect_timeout_s)),
         stream_timeout_(std::chrono::duration<double>(stream_timeout_s)),
-        envs_per_stream_(envs_per_stream) {
+        envs_per_stream_(envs_per_stream),
+        initial_last_action_(std::move(initial_last_action)) {
     if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
     if (!learner_queue_ || !inference_batcher_) {
       throw std::invalid_argument("learner_queue and inference_batcher are required");
@@ -446,7 +453,7 @@ class ActorPool {
 
       Nest agent_state;
       int64_t num_envs = 0;  // environments on this stream, known from the first step
-      int64_t last_action = 0;  // single-environment streams only
+      Array last_action = initial_last_action_;  // single-environment streams only
       int64_t env_errors_seen = 0;  // this stream's Step.env_errors at the previous step
       std::vector<Nest> rollout;  // rollout[0] is the last step of the previous rollout
       Nest rollout_state;         // the agent state before rollout[0]
@@ -481,16 +488,26 @@ class ActorPool {
         rpcenv::Action action;
         const Array& actions = agent_outputs->fields.at("action").array;
         if (batched) {
-          Array flat = actions;  // [T=1, N] -> [N]; shares the bytes
-          flat.shape = {num_envs};
+          Array flat = actions;  // [T=1, N, ...] -> [N, ...]; shares the bytes
+          if (flat.shape.empty()) throw std::invalid_argument("agent output 'action' is 0-d");
+          flat.shape.erase(flat.shape.begin());
           nest_to_proto(Nest::of(std::move(flat)), action.mutable_nest_action());
-        } else {
+        } else if (is_integer_dtype(actions.dtype)) {
           // TorchBeast's servers read only nest_action (and call int() on it);
           // ours, and older clients', read `action`.
-          last_action = to_int64(actions, "agent output 'action'");
-          action.set_action(static_cast<int32_t>(last_action));
-          nest_to_proto(Nest::of(filled_array<int64_t>(dtypes::kInt64, last_action, {})),
-                        action.mutable_nest_action());
+          int64_t value = to_int64(actions, "agent output 'action'");
+          action.set_action(static_cast<int32_t>(value));
+          last_action = filled_array<int64_t>(dtypes::kInt64, value, {});
+          nest_to_proto(Nest::of(last_action), action.mutable_nest_action());
+        } else {
+          // A continuous action: [T=1, B=1, A] -> [A], sent as it is.
+          last_action = actions;
+          if (last_action.shape.size() < 2) {
+            throw std::invalid_argument("agent output 'action' must be [T=1, B=1, ...], got " +
+                                        shape_str(actions.shape));
+          }
+          last_action.shape.erase(last_action.shape.begin(), last_action.shape.begin() + 2);
+          nest_to_proto(Nest::of(last_action), action.mutable_nest_action());
         }
         agent_state = std::move(answer.items[1]);
 
@@ -503,6 +520,9 @@ class ActorPool {
       throw;
     }
   }
+
+  // NumPy's integer type numbers (int8 to uint64): a discrete action.
+  static bool is_integer_dtype(int dtype) { return dtype >= 1 && dtype <= 10; }
 
   // The learner queue takes one rollout [T+1, 1, ...] per environment, so
   // that --batch_size counts rollouts whatever the servers' batch sizes.
@@ -582,9 +602,10 @@ class ActorPool {
   }
 
   // The inference inputs for one step, each array [1, 1, ...] ([T=1, B=1]).
-  // An array observation becomes "frame"; a dict observation is passed
-  // through key by key; Step.extras' entries keep their names.
-  static Nest env_outputs_of(rpcenv::Step* step, int64_t last_action) {
+  // An array observation becomes "frame"; a dict observation (a Gymnasium
+  // Dict, as a map) one array "frame/<key>" per entry (beast/rollout.py
+  // OBSERVATION_PREFIX); Step.extras' entries keep their names.
+  static Nest env_outputs_of(rpcenv::Step* step, const Array& last_action) {
     auto leading_ones = [](Nest n, const std::string& what) {
       if (n.kind != Nest::Kind::kArray) throw std::invalid_argument(what + " must be an array");
       n.array.shape.insert(n.array.shape.begin(), {1, 1});
@@ -598,7 +619,8 @@ class ActorPool {
       f["frame"] = leading_ones(std::move(observation), "the observation");
     } else if (observation.kind == Nest::Kind::kDict) {
       for (auto& [key, value] : observation.fields) {
-        f[key] = leading_ones(std::move(value), "observation entry '" + key + "'");
+        f[kObservationPrefix + key] =
+            leading_ones(std::move(value), "observation entry '" + key + "'");
       }
     } else {
       throw std::invalid_argument("the observation must be an array or a dict of arrays");
@@ -615,7 +637,9 @@ class ActorPool {
     put("truncated", filled_array<bool>(dtypes::kBool, step->truncated(), one));
     put("episode_return", filled_array<float>(dtypes::kFloat32, step->episode_return(), one));
     put("episode_step", filled_array<int32_t>(dtypes::kInt32, step->episode_step(), one));
-    put("last_action", filled_array<int64_t>(dtypes::kInt64, last_action, one));
+    Array last = last_action;  // shares the bytes
+    last.shape.insert(last.shape.begin(), {1, 1});
+    put("last_action", std::move(last));
     if (step->has_extras()) {
       rpcenv::ArrayNest* extras = step->mutable_extras();
       if (extras->has_array() || extras->vector_size() > 0) {
@@ -642,6 +666,7 @@ class ActorPool {
   const std::chrono::duration<double> connect_timeout_;
   const std::chrono::duration<double> stream_timeout_;
   const int64_t envs_per_stream_;  // asked of every server; 0: ask for nothing
+  const Array initial_last_action_;  // a single-environment stream's first last_action
 
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases

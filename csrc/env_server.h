@@ -19,11 +19,13 @@
 // observation, reward, done, game_over, episode_return, episode_step; the
 // actor knows last_action) and every other key travels in Step.extras under
 // its own name, so a new environment-side rollout field needs no C++ change.
+// A Dict observation's entries (keys "frame/<entry>") travel as the
+// observation's map {entry: array}.
 //
 // An adapter with a `num_envs` attribute hosts a batch of environments (a
 // beast.vector_envs VectorEnv): its dicts of [N, ...] arrays travel as
 // Step.batch, whatever their names, and step() gets the int64 array of N
-// actions. Its own `restarts` attribute, if any (the environments it
+// actions (float [N, A] for a Box action space). Its own `restarts` attribute, if any (the environments it
 // restarted itself), adds to env_errors.
 //
 // An address in use is refused: TCP ports are bound without SO_REUSEPORT
@@ -227,7 +229,8 @@ class EnvServer {
       py::gil_scoped_acquire gil;
       try {
         // Our actors send a single environment's action twice: `action` (an
-        // int for the adapter) and nest_action (for TorchBeast's servers).
+        // int for the adapter) and nest_action (for TorchBeast's servers); a
+        // float action (a Box action space, [A]) as nest_action only.
         bool use_nest = action->has_nest_action() && (batched_ || !action->has_action());
         py::object a = use_nest
                            ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
@@ -283,6 +286,8 @@ class EnvServer {
     // result: a dict with frame, reward, done, game_over and truncated (optional),
     // episode_return and episode_step for Step's fixed fields; every other key
     // but last_action goes into Step.extras, its value an array or a scalar.
+    // A Dict observation comes as "frame/<entry>" keys instead of frame and
+    // goes out as Step.observation's map {entry: array} (stream_layout.h).
     static void fill_step(py::handle result, rpcenv::Step* step) {
       if (!py::isinstance<py::dict>(result)) {
         std::string type_name = py::str(py::type::handle_of(result).attr("__name__"));
@@ -295,7 +300,10 @@ class EnvServer {
         }
         return d[key];
       };
-      nest_to_proto(nest_from_python(get("frame"), "['frame']"), step->mutable_observation());
+      const bool array_observation = d.contains("frame");
+      if (array_observation) {
+        nest_to_proto(nest_from_python(d["frame"], "['frame']"), step->mutable_observation());
+      }
       step->set_reward(py::cast<float>(get("reward")));
       step->set_done(py::cast<bool>(get("done")));
       if (d.contains("game_over")) step->set_game_over(py::cast<bool>(d["game_over"]));
@@ -317,7 +325,20 @@ class EnvServer {
                                       "' must be an array or a scalar, got " +
                                       kind_name(extra.kind));
         }
-        nest_to_proto(extra, &(*step->mutable_extras()->mutable_map())[name]);
+        if (name.compare(0, kObservationPrefix.size(), kObservationPrefix) != 0) {
+          nest_to_proto(extra, &(*step->mutable_extras()->mutable_map())[name]);
+          continue;
+        }
+        if (array_observation) {
+          throw std::invalid_argument("the adapter's step dict has both 'frame' and the "
+                                      "observation entry '" + name + "'; send one or the other");
+        }
+        auto& entries = *step->mutable_observation()->mutable_map();
+        nest_to_proto(extra, &entries[name.substr(kObservationPrefix.size())]);
+      }
+      if (!array_observation && step->observation().map_size() == 0) {
+        throw std::invalid_argument("the adapter's step dict lacks 'frame' (or the entries '" +
+                                    kObservationPrefix + "<key>' of a Dict observation)");
       }
     }
 

@@ -190,15 +190,20 @@ PYBIND11_MODULE(libpolybeast, m) {
       "One actor thread per env server address: steps the environment through the\n"
       "inference batcher and puts (rollout, initial_agent_state) on the learner queue.\n\n"
       "The batcher is called with (env_outputs, agent_state) and must answer\n"
-      "(agent_outputs, agent_state), agent_outputs a dict with an int 'action'.\n"
+      "(agent_outputs, agent_state), agent_outputs a dict with an 'action' array.\n"
       "env_outputs holds every named array the server sends (the fixed Step fields\n"
-      "with 'frame' and 'last_action', plus any extra key of the environment's dict),\n"
+      "with 'frame' (a dict observation: 'frame/<key>' per entry) and 'last_action',\n"
+      "plus any extra key of the environment's dict),\n"
       "so an environment-side rollout field needs no C++ change; a step that lacks\n"
       "one of env_keys (list of str) fails the run naming the key and the server.\n"
       "Every array of a step is [1, 1, ...]; a rollout is a dict of [T+1, 1, ...]\n"
       "arrays (T = unroll_length) whose last step is step 0 of the next one.\n"
       "A single environment's action goes out as Action.action (int32) and as\n"
-      "Action.nest_action (a 0-d int64 array, what TorchBeast's servers read).\n\n"
+      "Action.nest_action (a 0-d int64 array, what TorchBeast's servers read). A float\n"
+      "'action' (a Box action space, [1, 1, A] per step) goes out as nest_action only,\n"
+      "the array [A] ([N, A] for a batched stream); initial_last_action (a numpy array,\n"
+      "default a 0-d int64 zero) is a single-environment stream's first last_action,\n"
+      "after which it is the action sent last.\n\n"
       "envs_per_stream N > 0 asks every server for N environments per stream (gRPC\n"
       "metadata 'envs-per-stream: N' when the stream opens), which a server started\n"
       "without its own --envs_per_stream follows; 0 (the default) asks for nothing, as\n"
@@ -214,16 +219,27 @@ PYBIND11_MODULE(libpolybeast, m) {
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
                        double connect_timeout_s, double stream_timeout_s,
-                       int64_t envs_per_stream) {
+                       int64_t envs_per_stream, py::handle initial_last_action) {
+             if (initial_last_action.is_none()) {
+               return std::make_unique<ActorPool>(
+                   unroll_length, std::move(learner_queue), std::move(inference_batcher),
+                   std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
+                   std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream);
+             }
+             Nest last = beast::nest_from_python(initial_last_action, "initial_last_action");
+             if (last.kind != Nest::Kind::kArray) {
+               throw std::invalid_argument("initial_last_action must be a numpy array");
+             }
              return std::make_unique<ActorPool>(
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
-                 std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream);
+                 std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream,
+                 std::move(last.array));
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
            py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
            py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0,
-           py::arg("envs_per_stream") = 0)
+           py::arg("envs_per_stream") = 0, py::arg("initial_last_action") = py::none())
       .def(
           "run", [](ActorPool& pool) { wait_without_gil([&] { pool.run(check_signals); }); },
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
@@ -252,7 +268,8 @@ PYBIND11_MODULE(libpolybeast, m) {
       "the dict (but last_action, which the actor knows) travels as a named array\n"
       "(Step.extras), an array or a scalar each. An adapter with `num_envs` hosts that\n"
       "many environments: its dicts of [num_envs, ...] arrays travel whole as\n"
-      "Step.batch, and step() gets an int64 array of actions. An adapter that raises\n"
+      "Step.batch, and step() gets the array of actions the actor sent (int64 [N], or\n"
+      "float32 [N, A] for a Box action space). An adapter that raises\n"
       "in step() is replaced; each Step reports the restarts so far (Step.env_errors,\n"
       "plus a batched adapter's own `restarts` attribute if it has one). A single\n"
       "environment's step() gets Action.action (an int) if the client sent it, else\n"

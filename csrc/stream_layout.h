@@ -6,7 +6,8 @@
 //
 // Metadata, not a message: TorchBeast's servers ignore it, and TorchBeast's
 // actors send none, so they keep getting one environment per stream and
-// TorchBeast's single-environment wire format.
+// TorchBeast's single-environment wire format. Also: the names of a Dict
+// observation's entries on both ends (kObservationPrefix).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,14 @@ namespace beast {
 inline constexpr const char* kEnvsPerStreamKey = "envs-per-stream";
 // Bounds what one client can make a server allocate per stream.
 inline constexpr int64_t kMaxEnvsPerStream = 4096;
+
+// A Gymnasium Dict observation of a single-environment stream travels as
+// Step.observation's map {entry: array}, the nest it is (a TorchBeast server
+// sends one so too). The server reads the entries from its adapter's keys
+// "frame/<entry>", and the actor names them so again: one rollout field per
+// entry, as in beast/rollout.py OBSERVATION_PREFIX. A batched stream's
+// Step.batch carries the "frame/<entry>" arrays like any other field.
+inline const std::string kObservationPrefix = "frame/";
 
 // The number in a request's value: decimal digits only, in [1, kMaxEnvsPerStream].
 // Throws std::invalid_argument, with a message for the client, otherwise.

@@ -9,15 +9,22 @@ have_grpc() {
     command -v pkg-config >/dev/null && pkg-config --exists grpc++ protobuf \
         && command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null
 }
+# What apt must add: the gRPC toolchain when missing, and iproute2 (`ip netns`, which the
+# multi-host tests use to build hosts on one machine; they skip without it).
+PACKAGES=""
 if ! have_grpc; then
+    PACKAGES="build-essential pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev"
+fi
+if ! command -v ip >/dev/null; then PACKAGES="$PACKAGES iproute2"; fi
+if [ -n "$PACKAGES" ]; then
     if command -v apt-get >/dev/null; then
         SUDO=""
         if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
         export DEBIAN_FRONTEND=noninteractive
         $SUDO apt-get update -q
-        $SUDO apt-get install -y -q --no-install-recommends build-essential pkg-config \
-            libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
-    else
+        # shellcheck disable=SC2086
+        $SUDO apt-get install -y -q --no-install-recommends $PACKAGES
+    elif ! have_grpc; then
         echo "Install gRPC and protobuf development files first (see README.md:" \
              "conda-forge 'grpc-cpp libprotobuf', or Homebrew 'grpc protobuf pkg-config')." >&2
         exit 1

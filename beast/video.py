@@ -1,0 +1,183 @@
+"""Videos of whole games: the environment's own RGB screen, one MP4 per game.
+
+`--mode test --record_video` records every test game and `--eval_video_interval_steps N` one
+offline-evaluation game every N steps, into the run's folder (savedir/xpid/videos/):
+
+    test-step-000500000-episode-03.mp4   the checkpoint's step, then the game
+    eval-step-000100000.mp4              the step of the weights that played
+
+The frames are what the environment renders with Gymnasium's render_mode="rgb_array" (the
+Atari screen in colour, CartPole's drawing, MinAtar's palette), not the preprocessed
+observation the agent sees. Only the environments made here render: training environments
+never pay for it. Encoding is imageio's ffmpeg plugin (pip install imageio imageio-ffmpeg),
+imported only when a video is written. A video appears under its name once it is complete.
+"""
+
+import os
+
+import gymnasium
+import numpy as np
+
+from beast import envs
+
+RENDER_MODE = "rgb_array"
+DEFAULT_FPS = 30  # for environments that do not say (metadata["render_fps"])
+# Frames smaller than this many pixels on their longer side (MinAtar's 10x10) are scaled up by
+# a whole factor, so that players show cells rather than a blur of a few pixels.
+MIN_VIDEO_SIZE = 160
+
+
+def paths_for_test(videos_dir, step, num_episodes):
+    """The paths of --mode test's videos: one per game, named by the checkpoint's step."""
+    return [os.path.join(videos_dir, f"test-step-{int(step):09d}-episode-{i:02d}.mp4")
+            for i in range(num_episodes)]
+
+
+def path_for_eval(videos_dir, step):
+    """The path of the video of the offline evaluation at `step`."""
+    return os.path.join(videos_dir, f"eval-step-{int(step):09d}.mp4")
+
+
+def wanted(flags):
+    """Whether this start of the run records videos."""
+    if flags.mode == "test":
+        return bool(getattr(flags, "record_video", False))
+    return getattr(flags, "eval_video_interval_steps", 0) > 0
+
+
+def render_problems(flags):
+    """[] when no video is asked for or the environment renders RGB frames; else one problem
+    (for validate_flags) that names the environment. Makes, resets and renders one
+    environment, so it is called once, before any work starts."""
+    if not wanted(flags):
+        return []
+    flag = "--record_video" if flags.mode == "test" else "--eval_video_interval_steps"
+    try:
+        env = _rendering_env(flags)
+        try:
+            env.reset(seed=0)
+            video_frame(env.render())
+        finally:
+            env.close()
+    except Exception as e:  # whatever the environment's code raises, the user gets one line
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return [f"{flag} needs the environment's RGB frames (render_mode={RENDER_MODE!r}), and "
+                f"{flags.env} cannot render them: {reason}"]
+    return []
+
+
+def create_env(flags, paths=()):
+    """envs.create_env(flags); with `paths`, an environment that renders and writes its next
+    len(paths) games to them (EpisodeRecorder), else one that never renders."""
+    if not paths:
+        return envs.create_env(flags)
+    return EpisodeRecorder(_rendering_env(flags), paths)
+
+
+def _rendering_env(flags):
+    # pygame (CartPole's drawing) draws rgb_array frames off-screen, but SDL still looks for a
+    # display and prints an error on a machine without one. A driver the user chose wins.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    return envs.create_env(flags, render_mode=RENDER_MODE)
+
+
+def video_frame(frame):
+    """One frame of render() as uint8 [H', W', 3] that H.264 (yuv420p) can encode.
+
+    frame: [H, W, 3] or [H, W, 4] (alpha dropped); uint8, or float in [0, 1] (MinAtar) or
+    [0, 255]. Small frames are scaled up by a whole factor (nearest pixel: cells stay sharp);
+    an odd height or width gets one black row or column, as yuv420p needs even sizes.
+    Raises ValueError for anything that is not an RGB image (None: the env renders nothing).
+    """
+    frame = np.asarray(frame)
+    if frame.ndim != 3 or frame.shape[2] not in (3, 4) or frame.dtype == object:
+        raise ValueError(f"render() returned {type(frame).__name__} of shape {frame.shape} "
+                         "rather than an RGB image [H, W, 3]")
+    frame = frame[:, :, :3]
+    if frame.dtype != np.uint8:
+        frame = frame.astype(np.float32)
+        scale = 255.0 if frame.size and frame.max() <= 1.0 else 1.0
+        frame = (np.clip(frame * scale, 0.0, 255.0) + 0.5).astype(np.uint8)
+    factor = max(1, MIN_VIDEO_SIZE // max(frame.shape[:2]))
+    if factor > 1:
+        frame = frame.repeat(factor, axis=0).repeat(factor, axis=1)
+    pad_rows, pad_cols = frame.shape[0] % 2, frame.shape[1] % 2
+    if pad_rows or pad_cols:
+        frame = np.pad(frame, ((0, pad_rows), (0, pad_cols), (0, 0)))
+    return np.ascontiguousarray(frame)
+
+
+class VideoWriter:
+    """One MP4, written frame by frame (never held in memory: a game can last 27000 steps).
+
+    The file is written as NAME.part.mp4 and renamed to `path` by close(), so a video that
+    exists is whole; a crash leaves only the .part file.
+    """
+
+    def __init__(self, path, fps):
+        # Imported here: runs that record nothing need neither imageio nor ffmpeg.
+        import imageio.v2 as imageio
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.partial_path = f"{os.path.splitext(path)[0]}.part.mp4"
+        self.frames = 0
+        # macro_block_size=1: video_frame already makes the sizes even, and imageio's default
+        # (16) would rescale the screen.
+        self._writer = imageio.get_writer(
+            self.partial_path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
+            pixelformat="yuv420p", macro_block_size=1, ffmpeg_log_level="error")
+
+    def append(self, frame):
+        self._writer.append_data(video_frame(frame))
+        self.frames += 1
+
+    def close(self):
+        """Finishes the file; returns its path."""
+        self._writer.close()
+        os.replace(self.partial_path, self.path)
+        return self.path
+
+
+class EpisodeRecorder(gymnasium.Wrapper):
+    """Writes the RGB screen of the next len(paths) games to `paths`, one MP4 each.
+
+    A game is the real one: with end-of-life episodes (info["game_over"] False at a lost
+    life) the video goes on across the lives. Its frames are the screen after reset() and
+    after every step(). A game cut short by close() is written as far as it got. Once every
+    path is used, nothing is rendered any more. `written` lists the finished videos' paths.
+    """
+
+    def __init__(self, env, paths):
+        super().__init__(env)
+        self.paths = list(paths)
+        self.written = []
+        self.fps = (env.metadata or {}).get("render_fps") or DEFAULT_FPS
+        self._writer = None
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        if self._writer is None and self.paths:
+            self._writer = VideoWriter(self.paths.pop(0), self.fps)
+        if self._writer is not None:  # a new game, or the same one after a lost life
+            self._writer.append(self.env.render())
+        return obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if self._writer is not None:
+            self._writer.append(self.env.render())
+            if info.get("game_over", terminated or truncated):
+                self._finish()
+        return obs, reward, terminated, truncated, info
+
+    def _finish(self):
+        writer, self._writer = self._writer, None
+        self.written.append(writer.close())
+
+    def close(self):
+        try:
+            if self._writer is not None:
+                self._finish()
+        finally:
+            super().close()
