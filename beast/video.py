@@ -11,6 +11,9 @@ Atari screen in colour, CartPole's drawing, MinAtar's palette), not the preproce
 observation the agent sees. Only the environments made here render: training environments
 never pay for it. Encoding is imageio's ffmpeg plugin (pip install imageio imageio-ffmpeg),
 imported only when a video is written. A video appears under its name once it is complete.
+
+For a README or a web page, `python -m beast.video gif GAME.mp4 GAME.gif` makes a small
+looping GIF of a recorded game (every --every'th frame, scaled by --scale).
 """
 
 import os
@@ -181,3 +184,54 @@ class EpisodeRecorder(gymnasium.Wrapper):
                 self._finish()
         finally:
             super().close()
+
+
+def to_gif(mp4_path, gif_path, every=2, scale=0.5, max_frames=600):
+    """Writes a looping GIF of the MP4 at mp4_path: every `every`-th frame (at the video's fps
+    divided by `every`, so it plays at the game's speed), each scaled by `scale` (nearest
+    pixel: no new colours), at most max_frames frames. Returns the number of frames."""
+    import imageio.v2 as imageio
+
+    reader = imageio.get_reader(mp4_path, format="FFMPEG")
+    try:
+        fps = reader.get_meta_data()["fps"]
+        frames = []
+        for i, frame in enumerate(reader.iter_data()):
+            if i % every == 0 and len(frames) < max_frames:
+                frames.append(_scaled(frame, scale))
+    finally:
+        reader.close()
+    if not frames:
+        raise ValueError(f"{mp4_path} holds no frames")
+    # GIF delays are hundredths of a second; imageio's pillow writer takes milliseconds.
+    imageio.mimsave(gif_path, frames, format="GIF", duration=1000.0 * every / fps, loop=0)
+    return len(frames)
+
+
+def _scaled(frame, scale):
+    rows = np.linspace(0, frame.shape[0] - 1, max(1, round(frame.shape[0] * scale))).round()
+    cols = np.linspace(0, frame.shape[1] - 1, max(1, round(frame.shape[1] * scale))).round()
+    return frame[rows.astype(int)][:, cols.astype(int)]
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m beast.video",
+                                     description="Make a looping GIF of a recorded game.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gif = sub.add_parser("gif", help="MP4 -> GIF")
+    gif.add_argument("mp4", help="A video written by --record_video or --eval_video_interval_steps.")
+    gif.add_argument("gif", help="The GIF to write.")
+    gif.add_argument("--every", type=int, default=2, help="Keep every N-th frame.")
+    gif.add_argument("--scale", type=float, default=0.5, help="Scale each frame by this.")
+    gif.add_argument("--max_frames", type=int, default=600, help="Stop after this many frames.")
+    args = parser.parse_args(argv)
+    if args.every < 1 or not 0 < args.scale <= 4 or args.max_frames < 1:
+        parser.error("--every and --max_frames must be at least 1, --scale in (0, 4]")
+    count = to_gif(args.mp4, args.gif, args.every, args.scale, args.max_frames)
+    print(f"{args.gif}: {count} frames")
+
+
+if __name__ == "__main__":
+    main()

@@ -43,7 +43,17 @@ if REPO not in sys.path:  # `python -m bench.launch` from another directory
 from beast import flags as beast_flags  # noqa: E402
 from beast import runlog  # noqa: E402
 
-VARIANTS = ("monobeast", "polybeast")
+# The trainers a grid can run: the module, and what starts it. polybeast-2ranks is PolyBeast
+# with two learner ranks on torch.distributed on this machine (torchrun --standalone picks a
+# free rendezvous port, so several such runs can share the machine); --total_steps counts both
+# ranks' steps, so its curves compare with one learner's step for step.
+LAUNCHERS = {
+    "monobeast": ("monobeast", ()),
+    "polybeast": ("polybeast", ()),
+    "polybeast-2ranks": ("polybeast", ("-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node=2")),
+}
+VARIANTS = tuple(LAUNCHERS)
 STDERR_TAIL_LINES = 8  # of a failed run's stderr, kept in its result
 STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; a run writes its checkpoint in between
 
@@ -72,7 +82,8 @@ class RunSpec:
 
     def command(self, savedir):
         """The argv that starts (or resumes) this run under savedir (an absolute path)."""
-        command = [sys.executable, "-m", self.variant, "--env", self.env, "--seed",
+        module, launcher = LAUNCHERS[self.variant]
+        command = [sys.executable, *launcher, "-m", module, "--env", self.env, "--seed",
                    str(self.seed), "--xpid", self.xpid, "--savedir", savedir, "--no_progress"]
         if self.total_steps is not None:
             command += ["--total_steps", str(self.total_steps)]

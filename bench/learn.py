@@ -1,9 +1,9 @@
 """python -m bench.learn: does it learn? Final returns and learning curves over seeds.
 
-Runs the suite (SUITE: CartPole-v1, Acrobot-v1, the five MinAtar games) for each variant and
-seed with the launcher (bench/launch.py: resumable, a few runs at once, failures recorded), then
-reads every run's logs.csv and writes a markdown report: per environment, one table row per
-variant, one PNG with a curve per variant.
+Runs the suite (SUITE: CartPole-v1, Acrobot-v1, the five MinAtar games, HalfCheetah-v5) for
+each variant and seed with the launcher (bench/launch.py: resumable, a few runs at once,
+failures recorded), then reads every run's logs.csv and writes a markdown report: per
+environment, one table row per variant, one PNG with a curve per variant.
 
     python -m bench.learn            # the whole suite (long: 150M MinAtar steps in all)
     python -m bench.learn --envs CartPole-v1 --seeds 0,1 --variants monobeast
@@ -85,11 +85,29 @@ CLASSIC_REFERENCE = Reference("", "No published IMPALA result for this env",
                               "Both ids cut episodes at 500 steps, so CartPole-v1 returns "
                               "lie in [0, 500] and Acrobot-v1 returns in [-500, 0].")
 
+MUJOCO_STEPS = 1_000_000  # the step count most MuJoCo results are reported at
+# A2C is the nearest published relative of IMPALA here (on-policy actor-critic, one gradient
+# step per batch, no trust region); PPO is the usual bar.
+HALFCHEETAH_REFERENCE = Reference(
+    "A2C 1,830 ± 1,068; PPO 5,784 ± 1,244 (Tianshou, 1M steps)",
+    "Tianshou's MuJoCo benchmark (github.com/thu-ml/tianshou, examples/mujoco/README.md), "
+    "A2C and PPO tables at 1M steps; the same tables give OpenAI Baselines' PPO ~1,700 and "
+    "the PPO paper's (arXiv 1707.06347) A2C ~1,000, both read off plots",
+    "Not like for like. Their number is the best, over training, of the average return of "
+    "a separate deterministic test policy (10 test episodes), averaged over 10 seeds, on "
+    "HalfCheetah-v3 with observation normalization; ours is the mean of the last 100 "
+    "training episodes (stochastic policy) at the end, over our seeds, on HalfCheetah-v5 "
+    "without normalization.")
+
 SUITE = {
     "CartPole-v1": SuiteEnv(reference=CLASSIC_REFERENCE),
     "Acrobot-v1": SuiteEnv(reference=CLASSIC_REFERENCE),
     **{f"MinAtar/{game}-v1": SuiteEnv(MINATAR_STEPS, reference=MINATAR_REFERENCE)
        for game in ("Breakout", "Asterix", "Freeway", "Seaquest", "SpaceInvaders")},
+    # Needs pip install "gymnasium[mujoco]". Locomotion pays over a long horizon: the
+    # continuous defaults' discount 0.9 (tuned on Pendulum) looks 10 steps ahead.
+    "HalfCheetah-v5": SuiteEnv(MUJOCO_STEPS, args=("--discounting", "0.99"),
+                               reference=HALFCHEETAH_REFERENCE),
 }
 
 
@@ -284,7 +302,7 @@ def finished(result):
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "steps reached", "wall time per run", "eval return",
+                "failures", "steps reached", "wall time per run", "SPS", "eval return",
                 "published reference"]
 
 
@@ -302,8 +320,15 @@ def table_row(variant, results, curves, reference):
             f"{sum(map(finished, results))}/{len(results)}",
             str(sum(r.status == "failed" for r in results)), steps_text,
             fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
+            fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
+                            for c in curves]).mean),
             fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
             (reference.value or "— (see below)") if reference else "—"]
+
+
+def fmt_sps(value):
+    """Steps per second from launch to the last log row (start-up included), or n/a."""
+    return f"{value:,.0f}" if math.isfinite(value) else "n/a"
 
 
 def markdown_table(header, rows):

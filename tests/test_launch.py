@@ -250,3 +250,13 @@ def test_table_row_counts_finished_seeds_and_failures():
     assert cell(row, "seeds finished") == "2/3" and cell(row, "failures") == "1"
     assert cell(row, "steps reached") == "100 – 120 of 100"
     assert cell(row, "wall time per run") == "15.0 s" and cell(row, "eval return") == "n/a"
+    assert cell(row, "SPS") == "8"  # the mean of 100 / 10 and 120 / 20
+
+
+def test_two_rank_variant_starts_polybeast_under_torchrun():
+    spec = launch.RunSpec("CartPole-v1", "polybeast-2ranks", 3, total_steps=1000)
+    command = spec.command("/runs")
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "-m"]
+    assert command[6] == "polybeast" and "--total_steps" in command
+    assert spec.xpid == "CartPole-v1-polybeast-2ranks-s3"

@@ -76,6 +76,27 @@ def test_recorded_game_decodes_with_one_frame_per_step(tmp_path, env_id, size, f
         assert np.abs(frames[0][..., 0].astype(float) - frames[0][..., 1]).max() > 30
 
 
+def test_gif_of_a_recorded_game(tmp_path):
+    """python -m beast.video gif: every second frame of the MP4, half the size, looping."""
+    flags = make_flags("--env", "CartPole-v1")
+    mp4, gif = str(tmp_path / "game.mp4"), str(tmp_path / "game.gif")
+    env = envs.RolloutAdapter(video.create_env(flags, [mp4]), seed=1)
+    try:
+        env.initial()
+        for _ in range(20):
+            env.step(0)
+    finally:
+        env.close()
+    frames, _ = read_video(mp4)
+    result = subprocess.run([sys.executable, "-m", "beast.video", "gif", mp4, gif], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    gif_frames = imageio.mimread(gif)
+    assert len(gif_frames) == (len(frames) + 1) // 2
+    assert gif_frames[0].shape[:2] == (200, 300)
+    assert f"{(len(frames) + 1) // 2} frames" in result.stdout
+
+
 def test_training_envs_do_not_render():
     flags = make_flags("--env", "ALE/Pong-v5")
     assert envs.create_env(flags).unwrapped.render_mode is None
