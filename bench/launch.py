@@ -54,6 +54,7 @@ LAUNCHERS = {
                                        "--nproc_per_node=2")),
 }
 VARIANTS = tuple(LAUNCHERS)
+DEFAULT_VARIANTS = ("monobeast", "polybeast")  # a grid runs these unless --variants says
 STDERR_TAIL_LINES = 8  # of a failed run's stderr, kept in its result
 STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; a run writes its checkpoint in between
 
@@ -396,7 +397,7 @@ def add_grid_flags(parser, envs, seeds, savedir, total_steps_default=None):
     group = parser.add_argument_group("grid")
     group.add_argument("--envs", default=envs,
                        help="Comma-separated environment ids.")
-    group.add_argument("--variants", default=",".join(VARIANTS),
+    group.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                        help=f"Comma-separated trainers, of: {', '.join(VARIANTS)}.")
     group.add_argument("--seeds", default=seeds, help="Comma-separated seeds.")
     group.add_argument("--total_steps", type=int, default=None,
