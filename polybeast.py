@@ -44,6 +44,12 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # On Atari, more streams with fewer environments spread the servers' stepping over the cores;
 # bench/ measures the choice (README, Performance).
 ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 32, "continuous": 16}
+# The env servers started here, by default: one per core, at most this many, hosting
+# DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
+# the extra processes only take turns: on 2 cores (AMD EPYC), 2 servers x 4 Pong envs ran
+# 1,023-1,071 SPS against 857-869 for 4 x 2, and 2 x 64 CartPole envs 65,571-68,925
+# against 57,550-57,789 for 4 x 32 (README, Performance).
+DEFAULT_NUM_ACTORS = 4
 
 
 def make_parser():
@@ -52,14 +58,17 @@ def make_parser():
         formatter_class=beast_flags.HelpFormatter)
     beast_flags.add_common_flags(parser)
     # Environment servers and actors.
-    parser.add_argument("--num_actors", type=int, default=4,
+    parser.add_argument("--num_actors", type=int, default=None,
                         help="Actor threads, one gRPC stream each (a stream carries "
                              "--envs_per_stream environments); also the number of env servers "
-                             "started here.")
+                             f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}; "
+                             "one per address of --server_addresses).")
     parser.add_argument("--envs_per_stream", type=int, default=None,
                         help="Environments behind each env server stream, stepped together and "
                              "sent as one batch (default: "
-                             f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}). The servers "
+                             f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}; with fewer than "
+                             f"{DEFAULT_NUM_ACTORS} servers started here by default, as many "
+                             "more as keeps the environments in all the same). The servers "
                              "started here get it as a flag; the actors ask servers started "
                              "elsewhere for it when they open a stream, which those follow unless "
                              "started with their own --envs_per_stream.")
@@ -124,6 +133,26 @@ def inference_batch_size(flags):
     return flags.inference_batch_size
 
 
+def default_layout(flags, kind):
+    """Fills --num_actors and --envs_per_stream where not given (a resume keeps its own).
+
+    Servers started here: one per core, at most DEFAULT_NUM_ACTORS, together hosting
+    DEFAULT_NUM_ACTORS x ENVS_PER_STREAM[kind] environments. Servers elsewhere
+    (--server_addresses; _check_servers sets one actor per address) and an explicit
+    --num_actors: ENVS_PER_STREAM[kind] per stream.
+    """
+    local = flags.server_addresses is None and not flags.no_start_servers
+    by_cores = flags.num_actors is None and local
+    if flags.num_actors is None:
+        cores = beast_flags.default_num_torch_threads()
+        flags.num_actors = min(DEFAULT_NUM_ACTORS, cores) if local else DEFAULT_NUM_ACTORS
+    if flags.envs_per_stream is None:
+        flags.envs_per_stream = ENVS_PER_STREAM[kind]
+        if by_cores:
+            total = DEFAULT_NUM_ACTORS * ENVS_PER_STREAM[kind]
+            flags.envs_per_stream = max(1, total // flags.num_actors)
+
+
 def learner_queue_size(flags):
     if flags.max_learner_queue_size is None:
         return flags.batch_size
@@ -138,8 +167,7 @@ def check_flags(flags, info):
     or --batch_size does not inherit sizes derived from the old ones.
     """
     problems = []
-    if flags.envs_per_stream is None:
-        flags.envs_per_stream = ENVS_PER_STREAM[info["kind"]]
+    default_layout(flags, info["kind"])
     # Also for servers started elsewhere: the actors ask them for it (create_actor_pool).
     if not 1 <= flags.envs_per_stream <= libpolybeast.MAX_ENVS_PER_STREAM:
         problems.append(f"--envs_per_stream must be between 1 and "
