@@ -110,6 +110,7 @@ def prepare(flags, check_flags=None, ranks=None):
     beast_flags.apply_env_defaults(flags, info)
     problems = list(check_flags(flags, info)) if check_flags else []
     problems += video.render_problems(flags)  # before anything is written
+    problems += model_problems(flags, info)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
     try:
@@ -121,6 +122,16 @@ def prepare(flags, check_flags=None, ranks=None):
     except (beast_flags.FlagError, ckpt.CheckpointError, runlog.RunDirError) as e:
         raise UserError(str(e)) from None
     return run_dir, info, checkpoint
+
+
+def model_problems(flags, info):
+    """--model names a network for one observation array. A Dict observation always gets
+    DictNet (beast/models.py), so asking for another is refused rather than ignored."""
+    if isinstance(info["observation_shape"], dict) and "model" in getattr(flags, "given", ()):
+        return [f"--model {flags.model}: {flags.env} has a Dict observation, which always gets "
+                "DictNet (beast/models.py: one encoder per entry, then the core); drop --model, "
+                "or edit DictNet."]
+    return []
 
 
 def _saved_run(flags, run_dir):

@@ -83,6 +83,17 @@ def test_a_text_entry_is_refused_with_one_message_naming_it(capsys, keep_process
     assert "Traceback" not in err
 
 
+def test_a_model_flag_for_a_dict_observation_is_refused(capsys, keep_process_state, tmp_path):
+    """--model picks a net for one array; a Dict observation always gets DictNet, and a flag
+    that would be ignored is refused instead, before anything is written."""
+    code = monobeast.main(["--env", ENV, "--model", "atari", "--savedir", str(tmp_path),
+                           "--no_progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error:") == 1, err
+    assert "--model atari" in err and "DictNet" in err and "drop --model" in err
+    assert not os.listdir(tmp_path)
+
+
 def test_discrete_and_non_float32_vector_entries_become_float32():
     class Mixed(gymnasium.Env):
         observation_space = spaces.Dict(dict(
