@@ -22,6 +22,7 @@ usually at once, when the all-reduce finds its connection closed).
 
 import datetime
 import fcntl
+import io
 import ipaddress
 import os
 import socket
@@ -82,18 +83,39 @@ class Ranks:
         self.beats = 0
         self.peer_seen = {}  # rank -> (last heartbeat value, local time it changed)
         self.last_beat = 0.0
-        hosts = [None] * world_size
-        dist.all_gather_object(hosts, socket.gethostname())
-        self.hosts = tuple(hosts)
+        # Through the store, as text: nothing crosses the network pickled.
+        self.store.set(f"beast/host/{rank}", socket.gethostname())
+        self.hosts = tuple(self.store.get(f"beast/host/{r}").decode() for r in range(world_size))
+        # NCCL moves only GPU tensors; gloo CPU ones.
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
 
     def name(self, rank):
         return f"learner rank {rank} (host {self.hosts[rank]})"
 
     def share(self, obj):
-        """Rank 0's `obj`, on every rank (a resume's checkpoint and saved flags)."""
-        box = [obj if self.is_main else None]
-        self._collective(dist.broadcast_object_list, box, src=0)
-        return box[0]
+        """Rank 0's `obj`, on every rank (a resume's checkpoint and saved flags, the weights).
+
+        obj holds tensors and plain types only (str, numbers, None, lists, tuples, dicts). It
+        travels in torch.save's format and is read back with torch.load(weights_only=True),
+        which rebuilds nothing else: not pickle's arbitrary objects (dist.broadcast_object_list
+        would unpickle whatever rank 0 sent).
+        """
+        data = None
+        if self.is_main:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64,
+                            device=self.device)
+        self._collective(dist.broadcast, size, src=0)
+        if data is None:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        else:
+            data = data.to(self.device)
+        self._collective(dist.broadcast, data, src=0)
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu",
+                          weights_only=True)
 
     def average_gradients(self, parameters):
         """Replaces every gradient with its mean over the ranks: one all-reduce over a

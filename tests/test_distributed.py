@@ -11,6 +11,7 @@ over TCP and learn CartPole together.
 import json
 import os
 import pathlib
+import pickle
 import signal
 import socket
 import subprocess
@@ -63,6 +64,10 @@ def wait_for(condition, what, timeout=WAIT_S):
 # ----------------------------------------------------------------------------
 # In-process: the collectives.
 
+class Payload:
+    """Pickle would rebuild it (and run its __reduce__); share must not."""
+
+
 def _rank_main(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ranks = distributed.Ranks(rank, 2, rank, "gloo", timeout_s=60)
@@ -74,10 +79,18 @@ def _rank_main(rank, port, results):
         grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                  for p in model.parameters()]
         ranks.average_gradients(model.parameters())
-        shared = ranks.share({"from": rank})
+        shared = ranks.share({"from": rank, "weights": torch.full((2,), float(rank)),
+                              "note": ("a", 1, None)})
+        shared["weights"] = shared["weights"].numpy()
+        try:  # an arbitrary object is not rebuilt on any rank: it would run code
+            ranks.share(Payload() if rank == 0 else None)
+            refused = False
+        except pickle.UnpicklingError:
+            refused = True
         # As numpy arrays: tensors would travel as shared memory that dies with this process.
         results.put((rank, [g.numpy() for g in grads],
-                     [p.grad.detach().numpy() for p in model.parameters()], shared, ranks.hosts))
+                     [p.grad.detach().numpy() for p in model.parameters()], shared, ranks.hosts,
+                     refused))
     finally:
         ranks.close()
 
@@ -98,11 +111,14 @@ def test_average_gradients_is_the_mean_over_ranks():
         assert p.exitcode == 0
     own = [got[r][0] for r in (0, 1)]
     for rank in (0, 1):
-        _, averaged, shared, hosts = got[rank]
+        _, averaged, shared, hosts, refused = got[rank]
         for i, grad in enumerate(averaged):
             np.testing.assert_allclose(grad, (own[0][i] + own[1][i]) / 2, rtol=1e-6)
-        assert shared == {"from": 0}  # rank 0's object everywhere
-        assert len(hosts) == 2
+        # Rank 0's object everywhere, tensors and plain types rebuilt.
+        assert shared["from"] == 0 and shared["note"] == ("a", 1, None)
+        np.testing.assert_array_equal(shared["weights"], [0.0, 0.0])
+        assert refused
+        assert hosts == (socket.gethostname(),) * 2
     assert not np.array_equal(own[0][0], own[1][0])  # the test compared different gradients
 
 
