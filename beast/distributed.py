@@ -114,8 +114,8 @@ class Ranks:
         else:
             data = data.to(self.device)
         self._collective(dist.broadcast, data, src=0)
-        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), map_location="cpu",
-                          weights_only=True)
+        received = io.BytesIO(data.cpu().numpy().tobytes())
+        return torch.load(received, map_location="cpu", weights_only=True)
 
     def average_gradients(self, parameters):
         """Replaces every gradient with its mean over the ranks: one all-reduce over a

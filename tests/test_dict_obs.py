@@ -7,7 +7,6 @@ The environment is tests/dict_obs_env.py: a uint8 image entry `cues` and a float
 import argparse
 import csv
 import os
-import signal
 import subprocess
 import sys
 
@@ -164,17 +163,6 @@ def test_dict_net_reads_every_entry_and_refuses_a_wrong_shape():
 
 # ----------------------------------------------------------------------------------------------
 # Both variants end to end: the entries reach the learner's batch.
-
-@pytest.fixture
-def keep_process_state():
-    """train() installs signal handlers and sets torch's thread count: put them back."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads = torch.get_num_threads()
-    yield
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    torch.set_num_threads(threads)
-
 
 def train_recording_batches(variant, tmp_path, monkeypatch, *args):
     seen = []

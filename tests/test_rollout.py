@@ -8,7 +8,6 @@ this test: the model and a loss term that records the batch are patched in.
 """
 
 import argparse
-import signal
 
 import gymnasium
 import numpy as np
@@ -32,17 +31,6 @@ class AuxMLP(models.MLP):
         outputs, core_state = super().forward(inputs, core_state)
         outputs["aux"] = self.aux(inputs["frame"].float())
         return outputs, core_state
-
-
-@pytest.fixture
-def keep_process_state():
-    """train() installs signal handlers and sets torch's thread count: put them back."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads = torch.get_num_threads()
-    yield
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    torch.set_num_threads(threads)
 
 
 def train_recording_batches(variant, tmp_path, monkeypatch, *args):
