@@ -389,11 +389,17 @@ def train_lockstep(run, model, buffers, state_buffers):
     finally:
         lockstep.close()
         learner.join(timeout=60)
-        for process in actors:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
+        join_actors(actors)
+
+
+def join_actors(actors):
+    """Waits for the actor processes to exit (they stop on the None in their queue); one that
+    does not within 10 s is terminated."""
+    for process in actors:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
 
 
 def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
@@ -531,11 +537,7 @@ def train_parallel(run, model, buffers, state_buffers):
                 full_queue.put(None)
         for thread in threads:
             thread.join(timeout=60)
-        for process in actors:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
+        join_actors(actors)
 
 
 def train_serial(run, model, buffers, state_buffers):
