@@ -258,13 +258,14 @@ def _add_learner_flags(group):
 
 
 def _add_loss_flags(group):
-    group.add_argument("--model", default=None, choices=["atari", "resnet", "mlp"],
-                       help="Network: TorchBeast's Atari net, the IMPALA ResNet, "
-                            f"or an MLP (default: {_env_default('model')}).")
+    group.add_argument("--model", default=None, choices=["atari", "resnet", "small", "mlp"],
+                       help="Network: TorchBeast's Atari net, the IMPALA ResNet, the "
+                            "MinAtar paper's small conv net (for small frames), or an MLP "
+                            f"(default: {_env_default('model')}).")
     group.add_argument("--use_lstm", action="store_true",
                        help="Add an LSTM core to the model.")
     group.add_argument("--hidden_size", type=int, default=None,
-                       help="Width of the MLP's hidden layers "
+                       help="Width of the MLP's hidden layers and of the small net's fc "
                             f"(default: {_env_default('hidden_size')}).")
     group.add_argument("--entropy_cost", type=float, default=None,
                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")

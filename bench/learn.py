@@ -141,6 +141,26 @@ class Curve:
     def final_return(self):
         return self.returns[-1] if self.returns else math.nan
 
+    def collapse(self):
+        """The first collapse of the curve, or None: (step, peak, low) of the first time the
+        100-episode mean falls below half of the best it had reached, counted only once it
+        has passed half of its final value (so that the noise of the first episodes is no
+        collapse). Only for a positive final return: halving means nothing below zero.
+        """
+        final = self.final_return
+        if not final > 0:
+            return None
+        peak = None
+        for step, value in zip(self.steps, self.returns):
+            if peak is None:
+                if value >= final / 2:
+                    peak = value
+                continue
+            if value < peak / 2:
+                return step, peak, value
+            peak = max(peak, value)
+        return None
+
 
 def drop_superseded(rows):
     """The rows of logs.csv in time order, without those a resume made stale.
@@ -305,7 +325,7 @@ def finished(result):
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "steps reached", "wall time per run", "SPS", "eval return",
+                "failures", "collapses", "steps reached", "wall time per run", "SPS", "eval return",
                 "published reference"]
 
 
@@ -321,12 +341,23 @@ def table_row(variant, results, curves, reference):
                                         if targets else "")
     return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
             f"{sum(map(finished, results))}/{len(results)}",
-            str(sum(r.status == "failed" for r in results)), steps_text,
+            str(sum(r.status == "failed" for r in results)), fmt_collapses(curves), steps_text,
             fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
             fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
             (reference.value or "— (see below)") if reference else "—"]
+
+
+def fmt_collapses(curves):
+    """How many seeds collapsed (Curve.collapse), and where the first of each did."""
+    found = [c.collapse() for c in curves if c is not None]
+    found = [f for f in found if f is not None]
+    if not found:
+        return "0"
+    where = ", ".join(f"{fmt(peak)} to {fmt(low)} at {step / 1e6:.2f}M"
+                      for step, peak, low in found)
+    return f"{len(found)} ({where})"
 
 
 def fmt_sps(value):
@@ -405,7 +436,10 @@ HOW_TO_READ = (
     "min – max over seeds. Wall time: mean over seeds, each run from its start to its last "
     "row, summed over resumes. Eval return: the last `eval_mean_episode_return` (only with "
     "`--eval_interval_steps`). Curves: each seed interpolated linearly on a common step grid "
-    "(the range all seeds cover); line = mean over seeds, band = min – max over seeds.")
+    "(the range all seeds cover); line = mean over seeds, band = min – max over seeds. "
+    "Collapses: seeds whose 100-episode mean, once past half of its final value, fell below "
+    "half of the best it had reached (the first such fall of each: from the best to the low, "
+    "at the step it happened); counted only for positive final returns.")
 
 
 def report(args, argv, results, plot_dir, link_base):

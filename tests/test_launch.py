@@ -251,6 +251,32 @@ def test_table_row_counts_finished_seeds_and_failures():
     assert cell(row, "steps reached") == "100 – 120 of 100"
     assert cell(row, "wall time per run") == "15.0 s" and cell(row, "eval return") == "n/a"
     assert cell(row, "SPS") == "8"  # the mean of 100 / 10 and 120 / 20
+    assert cell(row, "collapses") == "0"
+
+
+def curve(returns):
+    return learn.Curve(list(range(1, len(returns) + 1)), list(returns), len(returns), 1.0)
+
+
+def test_collapse_is_a_fall_below_half_the_best_after_passing_half_the_final():
+    # Passes half of 20 at 12, peaks at 17, falls to 8 (< 17 / 2): a collapse at the 5th point.
+    assert curve([1, 12, 17, 9, 8, 15, 20]).collapse() == (5, 17, 8)
+    # The early noise (4 to 1) happens before half of the final value: no collapse.
+    assert curve([4, 1, 6, 12, 18, 20]).collapse() is None
+    # A dip to just above half of the best is not one.
+    assert curve([10, 16, 8.5, 14, 16]).collapse() is None
+    # Negative final returns (Acrobot) have no halving; an empty curve no final return.
+    assert curve([-500, -100, -400, -90]).collapse() is None
+    assert curve([]).collapse() is None
+
+
+def test_table_row_names_the_seeds_that_collapsed():
+    spec = launch.RunSpec("MinAtar/Breakout-v1", "monobeast", 0, total_steps=7)
+    results = [launch.RunResult(spec, "done", steps=7, target=7)] * 3
+    curves = [curve([1, 12, 17, 9, 8, 15, 20]), curve([4, 1, 6, 12, 18, 20, 20]),
+              curve([2, 10, 4, 4, 9, 10, 10])]
+    row = learn.table_row("monobeast", results, curves, None)
+    assert cell(row, "collapses") == "2 (17.0 to 8.0 at 0.00M, 10.0 to 4.0 at 0.00M)"
 
 
 def test_two_rank_variant_starts_polybeast_under_torchrun():

@@ -12,7 +12,8 @@ NUM_ACTIONS = 5
 # Atari net accepts. One test below uses the real Atari shape.
 IMAGE_SHAPE = (4, 36, 36)
 VECTOR_SHAPE = (7,)
-MODEL_SHAPES = [("atari", IMAGE_SHAPE), ("resnet", IMAGE_SHAPE), ("mlp", VECTOR_SHAPE)]
+MODEL_SHAPES = [("atari", IMAGE_SHAPE), ("resnet", IMAGE_SHAPE), ("small", IMAGE_SHAPE),
+                ("mlp", VECTOR_SHAPE)]
 
 
 def make_flags(model, use_lstm, hidden_size=16):
@@ -82,6 +83,20 @@ def test_create_model_picks_classes_and_defaults():
     assert wide.layers[0].out_features == 32 and isinstance(wide.layers[1], torch.nn.Tanh)
     relu = models.MLP((8,), 3, hidden_size=32, activation="relu")
     assert isinstance(relu.layers[1], torch.nn.ReLU)
+
+
+def test_small_net_is_the_minatar_papers():
+    """One 3x3 conv of 16 channels without padding, then fc 128 (hidden_size): on MinAtar's
+    [C, 10, 10] frames, 16 x 8 x 8 features into the fc."""
+    net = models.create_model(argparse.Namespace(model="small", hidden_size=None), (4, 10, 10),
+                              NUM_ACTIONS)
+    assert type(net) is models.SmallConvNet
+    assert (net.conv.in_channels, net.conv.out_channels, net.conv.kernel_size) == (4, 16, (3, 3))
+    assert net.conv.padding == (0, 0) and net.conv.stride == (1, 1)
+    assert (net.fc.in_features, net.fc.out_features) == (16 * 8 * 8, 128)
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in net.modules()) == 1
+    outputs, _ = net(make_inputs(2, 3, (4, 10, 10), uint8=False))
+    assert outputs["policy_logits"].shape == (2, 3, NUM_ACTIONS)
 
 
 def test_atari_shape_end_to_end():
@@ -234,6 +249,8 @@ def test_gradients_reach_all_parameters(model_name, observation_shape, use_lstm)
     [
         ("atari", (7,), "use --model mlp"),
         ("resnet", (7,), "use --model mlp"),
+        ("small", (7,), "use --model mlp"),
+        ("small", (4, 2, 2), "at least 3x3"),
         ("mlp", (4, 84, 84), "use --model atari or --model resnet"),
         ("atari", (4, 16, 16), "use --model resnet"),
         ("nope", (7,), "unknown --model 'nope'"),
