@@ -65,6 +65,14 @@ def workloads():
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
+        # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
+        # MinAtar paper's one-conv net, which does a fraction of its work per frame.
+        W("mono-minatar", "monobeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
+          ["--model", "small"]),
+        W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
+          ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does: the overhead per step
         # where this work started, measured beside today's defaults.
         W("mono-null-1env", "monobeast", "Null-v0", "MLP 8, one env per actor",
