@@ -284,3 +284,14 @@ def test_env_defaults_by_observation_kind():
     assert resolved("vector") == ("mlp", 80, 0.006, 0.005, 32)
     assert resolved("image") == ("resnet", 20, 0.00048, 0.01, 32)
     assert resolved("atari") == ("atari", 80, 0.00048, 0.0006, 4)
+
+
+def test_minatar_trains_with_the_small_net(tmp_path):
+    """--model small on MinAtar: trains, and the checkpoint holds the one-conv net."""
+    pytest.importorskip("minatar", reason="MinAtar is optional: pip install minatar")
+    run_monobeast(tmp_path, "--env", "MinAtar/Breakout-v1", "--xpid", "small", "--model", "small",
+                  "--total_steps", 4000, "--log_interval_steps", 1000)
+    assert int(read_logs(tmp_path / "small")[-1]["step"]) >= 4000
+    state = torch.load(tmp_path / "small" / "model.tar", weights_only=False)["model_state_dict"]
+    assert tuple(state["conv.weight"].shape) == (16, 4, 3, 3)
+    assert tuple(state["fc.weight"].shape) == (128, 16 * 8 * 8)
