@@ -45,6 +45,15 @@ def _conv_output_size(size, kernel_size, stride, padding=0):
     return (size + 2 * padding - kernel_size) // stride + 1
 
 
+def _image_shape(observation_shape, model):
+    """observation_shape as a tuple (C, H, W); ValueError naming --model otherwise."""
+    observation_shape = tuple(observation_shape)
+    if len(observation_shape) != 3:
+        raise ValueError(f"--model {model} needs image observations [C, H, W], got shape "
+                         f"{observation_shape}; use --model mlp for vector observations")
+    return observation_shape
+
+
 def _as_float(x):
     """An observation tensor as float32; uint8 pixels scaled to [0, 1]."""
     if x.dtype == torch.uint8:
@@ -254,12 +263,7 @@ class AtariNet(ActorCritic):
     """
 
     def __init__(self, observation_shape, num_actions, use_lstm=False, continuous=False):
-        observation_shape = tuple(observation_shape)
-        if len(observation_shape) != 3:
-            raise ValueError(
-                f"--model atari needs image observations [C, H, W], got shape "
-                f"{observation_shape}; use --model mlp for vector observations"
-            )
+        observation_shape = _image_shape(observation_shape, "atari")
         channels, height, width = observation_shape
         for kernel_size, stride in [(8, 4), (4, 2), (3, 1)]:
             height = _conv_output_size(height, kernel_size, stride)
@@ -307,12 +311,7 @@ class ResNet(ActorCritic):
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
                  channels=(16, 32, 32), feature_size=256, continuous=False):
-        observation_shape = tuple(observation_shape)
-        if len(observation_shape) != 3:
-            raise ValueError(
-                f"--model resnet needs image observations [C, H, W], got shape "
-                f"{observation_shape}; use --model mlp for vector observations"
-            )
+        observation_shape = _image_shape(observation_shape, "resnet")
         in_channels, height, width = observation_shape
         super().__init__(observation_shape, num_actions, feature_size, use_lstm, continuous)
         sections = []
@@ -347,12 +346,7 @@ class SmallConvNet(ActorCritic):
 
     def __init__(self, observation_shape, num_actions, use_lstm=False, hidden_size=128,
                  continuous=False):
-        observation_shape = tuple(observation_shape)
-        if len(observation_shape) != 3:
-            raise ValueError(
-                f"--model small needs image observations [C, H, W], got shape "
-                f"{observation_shape}; use --model mlp for vector observations"
-            )
+        observation_shape = _image_shape(observation_shape, "small")
         channels, height, width = observation_shape
         height, width = _conv_output_size(height, 3, 1), _conv_output_size(width, 3, 1)
         if height < 1 or width < 1:
