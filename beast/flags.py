@@ -34,7 +34,8 @@ ENV_DEFAULTS = {
         unroll_length=80,
         learning_rate=0.00048,
         entropy_cost=0.0006,
-        hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
+        # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
+        hidden_size=128,
         reward_clipping="abs_one",
         episodic_life=False,
         discounting=0.99,
@@ -53,7 +54,8 @@ ENV_DEFAULTS = {
         unroll_length=20,
         learning_rate=0.00048,
         entropy_cost=0.01,
-        hidden_size=128,  # unused by the conv nets; kept for the checkpoint compatibility check
+        # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
+        hidden_size=128,
         reward_clipping="none",
         episodic_life=False,
         discounting=0.99,
