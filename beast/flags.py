@@ -62,7 +62,8 @@ ENV_DEFAULTS = {
         # TorchBeast's 40 cut every update (norms 180-1,790 on MinAtar Breakout), which made
         # them all one size, the quiet ones as large as the informative ones. At 2M steps,
         # 3 seeds: Breakout 52.2 +- 18.7 (MonoBeast) and 74.5 +- 22.3 (PolyBeast) against
-        # 39.3 +- 22.1 and 38.7 +- 10.2 with 40.
+        # 39.3 +- 22.1 and 38.7 +- 10.2 with 40; SpaceInvaders lost (43.7 +- 2.0 against
+        # 51.2 +- 5.6, MonoBeast), the other games were level (README, "Does it learn?").
         grad_norm_clipping=12_800.0,
         lr_warmup_steps=0,
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
