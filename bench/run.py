@@ -61,27 +61,16 @@ def workloads():
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
-        # The learner queue of batch_size rollouts that PolyBeast had by default, beside
-        # today's two rounds of unrolls (polybeast.learner_queue_size).
-        W("poly-pong-short-queue", "polybeast", "ALE/Pong-v5",
-          "repo defaults, queue of batch_size (the former default)",
-          ["--max_learner_queue_size", "8"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
-        W("poly-cartpole-short-queue", "polybeast", "CartPole-v1",
-          "repo defaults, queue of batch_size (the former default)",
-          ["--max_learner_queue_size", "16"]),
         # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
         # MinAtar paper's one-conv net, which does a fraction of its work per frame.
         W("mono-minatar", "monobeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
         W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
-        W("poly-minatar-small-short-queue", "polybeast", "MinAtar/Breakout-v1",
-          "--model small, queue of batch_size (the former default)",
-          ["--model", "small", "--max_learner_queue_size", "16"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does: the overhead per step

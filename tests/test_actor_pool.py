@@ -5,7 +5,6 @@ counts, a server restart, and shutdown. Against broken TorchBeast-like servers
 complete (no progress, connect_timeout_s), and the rate-limited log. And interpreter exit while
 run() is active."""
 
-import argparse
 import pathlib
 import re
 import threading
@@ -652,33 +651,6 @@ def test_time_in_inference_or_the_learner_queue_does_not_count_as_silence(tmp_pa
     frames = [rollout["frame"][:, 0, 0].tolist() for rollout, _ in pool.rollouts[:3]]
     assert frames == [[0, 1], [1, 2], [2, 3]]
     assert lost_lines(capfd.readouterr().err) == []
-
-
-def test_polybeast_default_queue_lets_every_stream_unroll_twice_while_the_learner_is_busy(
-        tmp_path):
-    """A stream hands its envs_per_stream rollouts over at once. With the learner busy, the
-    default learner queue (polybeast.learner_queue_size) must take two rounds of every
-    stream's unroll before an actor blocks; a queue of batch_size stalled the servers."""
-    import polybeast  # imports torch; only this test needs it
-
-    envs, streams = 3, 2
-    flags = argparse.Namespace(max_learner_queue_size=None, batch_size=4, num_actors=streams,
-                               envs_per_stream=envs)
-    size = polybeast.learner_queue_size(flags)
-    pool = Pool(tmp_path, num_servers=streams, envs_per_stream=envs, learner_queue_size=size,
-                collecting=False)
-    two_rounds = 2 * UNROLL_LENGTH * streams * envs
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while pool.learner_queue.size() < 2 * streams * envs and time.monotonic() < deadline:
-            assert pool.pool_thread.is_alive(), f"ActorPool.run() ended: {pool.run_errors}"
-            time.sleep(0.02)
-        assert pool.learner_queue.size() == 2 * streams * envs, "the actors stopped early"
-        assert pool.pool.count() >= two_rounds
-        time.sleep(0.3)  # nobody learns: the queue stays full, the actors wait
-        assert pool.learner_queue.size() == 2 * streams * envs
-    finally:
-        pool.shutdown()
 
 
 EXIT_DURING_RUN = """
