@@ -164,11 +164,28 @@ def learner_queue_size(flags):
     return flags.max_learner_queue_size
 
 
+def local_torch_threads(kind, num_servers):
+    """Intra-op threads of the learner process when it starts its own env servers.
+
+    Atari: every core, as MonoBeast's learner has: its learner step (the conv net, about
+    0.5 s on one core) is what the run waits for, and on 2 cores PolyBeast's Pong ran at
+    1,153 and 1,269 SPS with 2 threads against 1,071 and 1,103 with 1 (MonoBeast 1,328 and
+    1,361). Others: the cores the servers leave, at least 1. There inference is on the
+    critical path of every server's round trip, and OpenMP threads that wake for a small
+    forward pass cost more than they give (CartPole 62,629 and 61,219 SPS with 2 threads
+    against 77,491 and 72,576 with 1; MinAtar's small net level).
+    """
+    cores = beast_flags.default_num_torch_threads()
+    if kind == "atari":
+        return cores
+    return max(1, cores - num_servers)
+
+
 def check_flags(flags, info):
     """PolyBeast's own env-dependent flags; returns the problems found.
 
     inference_batch_size and max_learner_queue_size stay None when not given
-    (see the two functions above), so that a resume with another --num_actors
+    (see inference_batch_size and learner_queue_size), so that a resume with another --num_actors
     or --batch_size does not inherit sizes derived from the old ones.
     """
     problems = []
@@ -181,11 +198,7 @@ def check_flags(flags, info):
         return problems  # --mode test plays locally: no servers, no queues.
     problems += _check_servers(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
-        # The env servers we start share this machine's cores with the learner: leave
-        # them a core each, as far as there are cores (OpenMP threads that spin while
-        # the servers wait for a core cost more than they give).
-        flags.num_torch_threads = max(1, beast_flags.default_num_torch_threads()
-                                      - flags.num_actors)
+        flags.num_torch_threads = local_torch_threads(info["kind"], flags.num_actors)
     for name in ("num_actors", "num_inference_threads"):
         if getattr(flags, name) < 1:
             problems.append(f"--{name} must be at least 1 (got {getattr(flags, name)}).")

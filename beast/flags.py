@@ -280,8 +280,8 @@ def _add_learner_flags(group):
                             "(each is skipped, the weights never see it) before the run stops.")
     group.add_argument("--num_torch_threads", type=int, default=None,
                        help="Intra-op threads of the learner process (default: all "
-                            "cores; PolyBeast with local servers: cores - num_actors, "
-                            "at least 1).")
+                            "cores; PolyBeast with local servers: all cores on Atari, else "
+                            "cores - num_actors, at least 1).")
 
 
 def _add_loss_flags(group):

@@ -500,3 +500,13 @@ def test_minatar_trains(tmp_path):
         "--log_interval_steps", "400"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert last_step(tmp_path / "runs" / "run") >= 2000
+
+
+def test_learner_threads_with_local_servers_by_kind(monkeypatch):
+    """Atari's learner step is what a run waits for: all cores, as MonoBeast. Elsewhere the
+    servers keep a core each (at least one thread is left for the learner)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert polybeast.local_torch_threads("atari", 4) == 8
+    for kind in ("image", "vector", "continuous"):
+        assert polybeast.local_torch_threads(kind, 4) == 4
+        assert polybeast.local_torch_threads(kind, 8) == 1
