@@ -3,8 +3,7 @@
 A checkpoint is a dict of plain values and tensors, e.g.::
 
     {"model_state_dict": ..., "optimizer_state_dict": ..., "scheduler_state_dict": ...,
-     "step": int, "flags": plain_flags(flags), "episodes": EpisodeStats.state_dict(),
-     "grad_norm_history": GradNormHistory.state_dict()}  # with --relative_grad_clipping
+     "step": int, "flags": plain_flags(flags), "episodes": EpisodeStats.state_dict()}
 
 (beast/training.py Run.save writes it.)
 

@@ -38,7 +38,6 @@ ENV_DEFAULTS = {
         # image and vector ones below were).
         grad_norm_clipping=40.0,
         lr_warmup_steps=0,
-        relative_grad_clipping=0.0,
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
         reward_clipping="abs_one",
@@ -67,7 +66,6 @@ ENV_DEFAULTS = {
         # 51.2 +- 5.6, MonoBeast), the other games were level (README, "Does it learn?").
         grad_norm_clipping=12_800.0,
         lr_warmup_steps=0,
-        relative_grad_clipping=0.0,
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
         reward_clipping="none",
@@ -98,7 +96,6 @@ ENV_DEFAULTS = {
         # rate, and unclipped they turned Acrobot's policy deterministic in 3 of 3 seeds.
         grad_norm_clipping=50_000.0,
         lr_warmup_steps=100_000,
-        relative_grad_clipping=0.0,
         hidden_size=128,
         reward_clipping="none",
         episodic_life=False,
@@ -124,7 +121,6 @@ ENV_DEFAULTS = {
         entropy_cost=0.0,
         grad_norm_clipping=40.0,
         lr_warmup_steps=0,
-        relative_grad_clipping=0.0,
         hidden_size=64,
         reward_clipping="none",
         episodic_life=False,
@@ -324,11 +320,6 @@ def _add_loss_flags(group):
     group.add_argument("--grad_norm_clipping", type=float, default=None,
                        help="Clip the global gradient norm (of the loss summed over T x B) "
                             f"to this value (default: {_env_default('grad_norm_clipping')}).")
-    group.add_argument("--relative_grad_clipping", type=float, default=None,
-                       help="Also clip the gradient norm at this many times the median norm "
-                            "of the last 100 updates, so that one rare batch (a failure after "
-                            "long good episodes) cannot take a step many times the usual; "
-                            f"0: off (default: {_env_default('relative_grad_clipping')}).")
 
 
 def _add_logging_flags(group):
@@ -404,9 +395,6 @@ def validate_flags(flags, extra_problems=()):
     need(flags.batch_size >= 1, f"--batch_size must be at least 1 (got {flags.batch_size}).")
     need(flags.lr_warmup_steps >= 0,
          f"--lr_warmup_steps must not be negative (got {flags.lr_warmup_steps}).")
-    need(flags.relative_grad_clipping == 0 or flags.relative_grad_clipping >= 1,
-         f"--relative_grad_clipping must be 0 (off) or at least 1, the median itself "
-         f"(got {flags.relative_grad_clipping}).")
     need(flags.max_nonfinite_updates >= 1,
          f"--max_nonfinite_updates must be at least 1 (got {flags.max_nonfinite_updates}).")
     need(flags.total_steps >= 1, f"--total_steps must be positive (got {flags.total_steps}).")

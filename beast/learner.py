@@ -8,11 +8,9 @@ So the transition t -> t+1 pairs agent keys at t with environment keys at t+1:
 agent-side tensors are cut to [:-1] and environment-side tensors to [1:].
 """
 
-import collections
 import contextlib
 import dataclasses
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -229,45 +227,8 @@ def autocast_context(device, precision):
     return contextlib.nullcontext()
 
 
-class GradNormHistory:
-    """The gradient norms of the last `size` updates, for --relative_grad_clipping: each
-    gradient is clipped at `ratio` times their median as well (once `warmup` are in).
-
-    Why: the loss of a rare batch can be far larger than the usual one. On CartPole, once
-    the agent mostly balances, the value is near 100 everywhere, and an episode that does
-    fail gives an advantage near -93 against the usual 1 to 5: its gradient is 10 to 20
-    times the median, RMSprop (whose running mean is of the usual ones) turns it into a
-    step as many times larger, and one such update moved the policy by a KL of 0.86 nats
-    (the usual: under 0.01) and halved its entropy, and the return fell from 500 to 60.
-    Relative to the median, the clip follows the gradient's scale as it shrinks by a
-    factor of 100 over a run, which no fixed --grad_norm_clipping does.
-    """
-
-    def __init__(self, ratio, size=100, warmup=10):
-        self.ratio = ratio
-        self.warmup = warmup
-        self.norms = collections.deque(maxlen=size)
-
-    def clip(self, absolute):
-        """The clip for the next gradient: at most `absolute` (--grad_norm_clipping)."""
-        if not self.ratio or len(self.norms) < self.warmup:
-            return absolute
-        return min(absolute, self.ratio * statistics.median(self.norms))
-
-    def add(self, norm):
-        """Records a finite gradient's norm, before clipping."""
-        self.norms.append(float(norm))
-
-    def state_dict(self):
-        return {"norms": list(self.norms)}
-
-    def load_state_dict(self, state):
-        self.norms.clear()
-        self.norms.extend(state["norms"])
-
-
 def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
-               average_gradients=None, grad_norms=None):
+               average_gradients=None):
     """One optimisation step on one batch.
 
     Args:
@@ -283,8 +244,6 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
       average_gradients: with several learner ranks, fn(parameters) that replaces
         each gradient by its mean over the ranks (beast/distributed.py), before the
         clipping, so every rank clips, checks and applies the same gradient.
-      grad_norms: a GradNormHistory for --relative_grad_clipping (None: the absolute
-        clip only); this step's norm is added to it.
 
     Returns:
       dict of floats: compute_loss's stats, grad_norm (before clipping) and
@@ -301,22 +260,16 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     total_loss.backward()
     if average_gradients is not None:
         average_gradients(model.parameters())
-    clip = flags.grad_norm_clipping
-    if grad_norms is not None:
-        clip = grad_norms.clip(clip)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), flags.grad_norm_clipping)
     # A non-finite loss or gradient (an infinite reward, a diverged value) must never reach
     # the weights: the update is skipped. Reading the norm is a host sync (a CPU-GPU sync
     # point on a GPU), the one that logging the stats below needs anyway.
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
-        if grad_norms is not None:
-            grad_norms.add(grad_norm)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()  # the schedule follows environment steps, skipped or not
     stats["grad_norm"] = grad_norm
-    stats["grad_clip"] = clip  # the clip that applied: below --grad_norm_clipping, the relative one
     stats["skipped_update"] = 0.0 if finite else 1.0
     return {k: float(v) for k, v in stats.items()}
 

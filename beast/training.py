@@ -201,9 +201,6 @@ class Learner:
         self.ranks = ranks or distributed.Single()
         self.optimizer, self.scheduler = learner.create_optimizer(flags, model,
                                                                   self.ranks.world_size)
-        # None when --relative_grad_clipping is off (a resumed run from before the flag).
-        ratio = getattr(flags, "relative_grad_clipping", 0)
-        self.grad_norms = learner.GradNormHistory(ratio) if ratio else None
         self.step = 0
         self.skipped_updates = 0  # non-finite updates, all told
         self.skipped_in_a_row = 0
@@ -213,8 +210,6 @@ class Learner:
             self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
             self.scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
             self.step = int(checkpoint["step"])
-            if self.grad_norms is not None and "grad_norm_history" in checkpoint:
-                self.grad_norms.load_state_dict(checkpoint["grad_norm_history"])
         if self.ranks.is_distributed:
             # The same starting weights on every rank, whatever its seed.
             model.load_state_dict(self.ranks.share(self.weights()))
@@ -233,7 +228,7 @@ class Learner:
                 return self.step, None
             average = self.ranks.average_gradients if self.ranks.is_distributed else None
             stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                                       batch, initial_agent_state, average, self.grad_norms)
+                                       batch, initial_agent_state, average)
             self.step += self.flags.unroll_length * self.flags.batch_size * self.ranks.world_size
             if stats["skipped_update"]:
                 self._skipped(stats)
@@ -260,13 +255,10 @@ class Learner:
     def state_dict(self):
         """The learner's part of a checkpoint."""
         with self.lock:
-            state = dict(model_state_dict=self.model.state_dict(),
-                         optimizer_state_dict=self.optimizer.state_dict(),
-                         scheduler_state_dict=self.scheduler.state_dict(),
-                         step=self.step)
-            if self.grad_norms is not None:
-                state["grad_norm_history"] = self.grad_norms.state_dict()
-            return state
+            return dict(model_state_dict=self.model.state_dict(),
+                        optimizer_state_dict=self.optimizer.state_dict(),
+                        scheduler_state_dict=self.scheduler.state_dict(),
+                        step=self.step)
 
 
 class TrainingStats:

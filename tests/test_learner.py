@@ -207,12 +207,12 @@ class TinyModel(nn.Module):
         return outputs, core_state
 
 
-def sgd_step(flags, model, batch, lr, grad_norms=None):
+def sgd_step(flags, model, batch, lr):
     """learn_step with plain SGD and a constant learning rate; returns its stats."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
     return learner.learn_step(flags, model, optimizer, scheduler, batch,
-                              model.initial_state(B), grad_norms=grad_norms)
+                              model.initial_state(B))
 
 
 def reference_gradient(flags, model, batch):
@@ -255,41 +255,6 @@ def test_learn_step_applies_the_clipped_gradient():
     for name, update in updates.items():  # Same direction as the gradient.
         torch.testing.assert_close(update, -lr * clip * grads[name] / grad_norm,
                                    rtol=1e-4, atol=1e-7)
-
-
-def test_relative_clip_bounds_an_outlier_at_ratio_times_the_median_of_recent_norms():
-    lr, ratio = 0.1, 3.0
-    flags, batch, model = make_flags(), make_batch(), TinyModel()
-    grads = reference_gradient(flags, model, batch)
-    grad_norm = float(torch.sqrt(sum((g ** 2).sum() for g in grads.values())))
-    history = learner.GradNormHistory(ratio, size=5, warmup=3)
-    # An unbalanced history: the median (not the mean, 1,000x larger) sets the clip.
-    for norm in (grad_norm / 100, grad_norm / 40, grad_norm / 50, grad_norm / 60, grad_norm * 1000):
-        history.add(norm)
-    median = grad_norm / 50
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    stats = sgd_step(flags, model, batch, lr, history)
-    np.testing.assert_allclose(stats["grad_norm"], grad_norm, rtol=RTOL)  # before clipping
-    np.testing.assert_allclose(stats["grad_clip"], ratio * median, rtol=1e-6)
-    update_norm = torch.sqrt(sum(((p.detach() - before[n]) ** 2).sum()
-                                 for n, p in model.named_parameters()))
-    np.testing.assert_allclose(float(update_norm), lr * ratio * median, rtol=1e-4)
-    # The step's own norm joins the history (the oldest drops out: size 5).
-    assert len(history.norms) == 5 and history.norms[-1] == pytest.approx(grad_norm, rel=RTOL)
-
-
-def test_relative_clip_waits_for_enough_norms_and_never_exceeds_the_absolute_one():
-    history = learner.GradNormHistory(2.0, size=100, warmup=10)
-    for _ in range(9):
-        history.add(100.0)
-    assert history.clip(50_000.0) == 50_000.0  # 9 norms: not yet
-    history.add(100.0)
-    assert history.clip(50_000.0) == 200.0
-    assert history.clip(40.0) == 40.0  # --grad_norm_clipping still binds below it
-    assert learner.GradNormHistory(0.0).clip(40.0) == 40.0  # off
-    restored = learner.GradNormHistory(2.0, warmup=10)
-    restored.load_state_dict(history.state_dict())
-    assert restored.clip(50_000.0) == 200.0
 
 
 # ---- the LOSS_TERMS contract ----
