@@ -141,25 +141,33 @@ class Curve:
     def final_return(self):
         return self.returns[-1] if self.returns else math.nan
 
-    def collapse(self):
-        """The first collapse of the curve, or None: (step, peak, low) of the first time the
-        100-episode mean falls below half of the best it had reached, counted only once it
-        has passed half of its final value (so that the noise of the first episodes is no
-        collapse). Only for a positive final return: halving means nothing below zero.
+    def falls(self):
+        """Every fall of the curve: (step, peak, low) of each time the 100-episode mean drops
+        below half of the best it had reached, counted only once it has passed half of its
+        final value (so that the noise of the first episodes is no fall); after a fall, the
+        next one counts only once the curve is back at 90% of its best. Only for a positive
+        final return: halving means nothing below zero.
         """
         final = self.final_return
         if not final > 0:
-            return None
-        peak = None
+            return []
+        found, peak, armed = [], None, True
         for step, value in zip(self.steps, self.returns):
             if peak is None:
                 if value >= final / 2:
                     peak = value
                 continue
-            if value < peak / 2:
-                return step, peak, value
+            if armed and value < peak / 2:
+                found.append((step, peak, value))
+                armed = False
             peak = max(peak, value)
-        return None
+            armed = armed or value >= 0.9 * peak
+        return found
+
+    def collapse(self):
+        """The first fall (see falls), or None."""
+        falls = self.falls()
+        return falls[0] if falls else None
 
 
 def drop_superseded(rows):
@@ -325,8 +333,8 @@ def finished(result):
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "collapses", "steps reached", "wall time per run", "SPS", "eval return",
-                "published reference"]
+                "failures", "collapses", "falls", "steps reached", "wall time per run", "SPS",
+                "eval return", "published reference"]
 
 
 def table_row(variant, results, curves, reference):
@@ -341,7 +349,8 @@ def table_row(variant, results, curves, reference):
                                         if targets else "")
     return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
             f"{sum(map(finished, results))}/{len(results)}",
-            str(sum(r.status == "failed" for r in results)), fmt_collapses(curves), steps_text,
+            str(sum(r.status == "failed" for r in results)), fmt_collapses(curves),
+            fmt_falls(curves), steps_text,
             fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
@@ -358,6 +367,15 @@ def fmt_collapses(curves):
     where = ", ".join(f"{fmt(peak)} to {fmt(low)} at {step / 1e6:.2f}M"
                       for step, peak, low in found)
     return f"{len(found)} ({where})"
+
+
+def fmt_falls(curves):
+    """All falls of all seeds (Curve.falls), a run's mean, and how many seeds fell."""
+    counts = [len(c.falls()) for c in curves if c is not None]
+    if not counts:
+        return "—"
+    return (f"{sum(counts)}, {sum(counts) / len(counts):.1f} a run "
+            f"({sum(n > 0 for n in counts)} of {len(counts)} seeds)")
 
 
 def fmt_sps(value):
@@ -439,7 +457,9 @@ HOW_TO_READ = (
     "(the range all seeds cover); line = mean over seeds, band = min – max over seeds. "
     "Collapses: seeds whose 100-episode mean, once past half of its final value, fell below "
     "half of the best it had reached (the first such fall of each: from the best to the low, "
-    "at the step it happened); counted only for positive final returns.")
+    "at the step it happened); counted only for positive final returns. Falls: every such "
+    "fall of every seed, a fall counting again only after the curve is back at 90% of its "
+    "best; the total, the mean per seed, and the seeds with at least one.")
 
 
 def report(args, argv, results, plot_dir, link_base):

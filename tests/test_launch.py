@@ -270,6 +270,15 @@ def test_collapse_is_a_fall_below_half_the_best_after_passing_half_the_final():
     assert curve([]).collapse() is None
 
 
+def test_falls_are_counted_again_only_after_a_recovery_to_90_percent_of_the_best():
+    # Past half of 20 at 12, best 17: falls to 8, back to 16 (over 15.3), falls to 7.
+    assert curve([1, 12, 17, 8, 16, 7, 20]).falls() == [(4, 17, 8), (6, 17, 7)]
+    # Back only to 9 between the two lows: one fall.
+    assert curve([1, 12, 17, 8, 9, 7, 20]).falls() == [(4, 17, 8)]
+    assert curve([4, 1, 6, 12, 18, 20]).falls() == []
+    assert curve([-500, -100, -400, -90]).falls() == []
+
+
 def test_table_row_names_the_seeds_that_collapsed():
     spec = launch.RunSpec("MinAtar/Breakout-v1", "monobeast", 0, total_steps=7)
     results = [launch.RunResult(spec, "done", steps=7, target=7)] * 3
@@ -277,6 +286,7 @@ def test_table_row_names_the_seeds_that_collapsed():
               curve([2, 10, 4, 4, 9, 10, 10])]
     row = learn.table_row("monobeast", results, curves, None)
     assert cell(row, "collapses") == "2 (17.0 to 8.0 at 0.00M, 10.0 to 4.0 at 0.00M)"
+    assert cell(row, "falls") == "2, 0.7 a run (2 of 3 seeds)"
 
 
 def test_two_rank_variant_starts_polybeast_under_torchrun():

@@ -1,0 +1,141 @@
+"""Where the cores go in a running training: CPU time per process role, and idle time.
+
+    python -m bench.cpushare polybeast CartPole-v1
+    python -m bench.cpushare monobeast ALE/Pong-v5 --warmup_s 25 -- --precision bf16
+
+Starts `python -m <variant> --env <env>` (flags after `--` go to it), waits --warmup_s,
+reads the CPU time of every thread of the learner process and of its descendants (env
+servers, actor processes) from /proc, waits --window_s, reads again, and stops the run.
+Prints the SPS over the window (from logs.csv), and for each role the cores it kept busy
+and its core-microseconds per environment step. The sum against the machine's cores is
+the idle share: a run that keeps 1.5 of 2 cores busy is waiting on something (a round
+trip, a queue, a lock) for a quarter of the machine, which no faster kernel fixes.
+Linux only (/proc).
+"""
+
+import argparse
+import collections
+import csv
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(prog="python -m bench.cpushare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variant", choices=["monobeast", "polybeast"], help="The learner.")
+    parser.add_argument("env", help="--env of the run.")
+    parser.add_argument("--warmup_s", type=float, default=10.0,
+                        help="Seconds after launch before the window opens (start-up and "
+                             "the first updates are not what a run costs).")
+    parser.add_argument("--window_s", type=float, default=25.0,
+                        help="Seconds of the measured window.")
+    return parser
+
+
+def descendants(root):
+    """root and every process below it, from /proc's parent links."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass  # gone meanwhile
+    found, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier += children
+    return found
+
+
+def cpu_seconds(root):
+    """{(pid, tid): (role, thread name, user + system CPU seconds)} for root's tree. Role:
+    "learner process" for root, "children" (env servers, actors) for the rest."""
+    tick = os.sysconf("SC_CLK_TCK")
+    times = {}
+    for pid in descendants(root):
+        role = "learner process" if pid == root else "children (servers / actors)"
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            times[(pid, int(tid))] = (role, name, (int(fields[11]) + int(fields[12])) / tick)
+    return times
+
+
+def last_row(logs):
+    """(step, _time) of the last logs.csv row, or None."""
+    try:
+        with open(logs) as f:
+            rows = list(csv.DictReader(f))
+    except OSError:
+        return None
+    return (int(rows[-1]["step"]), float(rows[-1]["_time"])) if rows else None
+
+
+def measure(flags):
+    """Runs the learner and returns (sps, {(role, thread name): cores busy}, cores)."""
+    savedir = tempfile.mkdtemp(prefix="cpushare-")
+    logs = os.path.join(savedir, "run", "logs.csv")
+    command = [sys.executable, "-m", flags.variant, "--env", flags.env,
+               "--total_steps", str(10 ** 12), "--savedir", savedir, "--xpid", "run",
+               "--no_progress", *flags.run_flags]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(flags.warmup_s)
+        if process.poll() is not None:
+            sys.exit(f"the run ended during the warm-up:\n{process.stderr.read()[-3000:]}")
+        before, row0, t0 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
+        time.sleep(flags.window_s)
+        after, row1, t1 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    if row0 is None or row1 is None or row1[1] <= row0[1]:
+        sys.exit("no logs.csv rows in the window: raise --warmup_s or --window_s")
+    sps = (row1[0] - row0[0]) / (row1[1] - row0[1])
+    busy = collections.defaultdict(float)
+    for key, (role, name, seconds) in after.items():
+        busy[(role, name)] += (seconds - before.get(key, (role, name, 0.0))[2]) / (t1 - t0)
+    return sps, busy, len(os.sched_getaffinity(0))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after `--` goes to the learner.
+    split = argv.index("--") if "--" in argv else len(argv)
+    flags = make_parser().parse_args(argv[:split])
+    flags.run_flags = argv[split + 1:]
+    sps, busy, cores = measure(flags)
+    print(f"{flags.variant} {flags.env} {' '.join(flags.run_flags)}".rstrip())
+    print(f"  SPS {sps:,.0f} over {flags.window_s:g} s; {cores} cores")
+    print(f"  {'role':30s} {'thread':16s} {'cores busy':>10s} {'core-us/step':>13s}")
+    for (role, name), share in sorted(busy.items(), key=lambda item: -item[1]):
+        if share >= 0.01:
+            print(f"  {role:30s} {name:16s} {share:10.2f} {share / sps * 1e6:13.2f}")
+    total = sum(busy.values())
+    print(f"  {'all':30s} {'':16s} {total:10.2f} {total / sps * 1e6:13.2f}")
+    print(f"  idle: {max(0.0, cores - total):.2f} of {cores} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""bench/cpushare.py: CPU time per process role of a running training, from /proc."""
+
+import os
+import subprocess
+import sys
+import time
+
+from bench import cpushare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A parent that sleeps, with a child that spins until killed.
+TREE = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_cpu_seconds_covers_the_whole_tree_and_names_the_roles():
+    parent = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        spinner = int(parent.stdout.readline())
+        assert cpushare.descendants(parent.pid) == {parent.pid, spinner}
+        before = cpushare.cpu_seconds(parent.pid)
+        time.sleep(1.0)
+        after = cpushare.cpu_seconds(parent.pid)
+    finally:
+        subprocess.run(["kill", str(spinner)])
+        parent.kill()
+        parent.wait()
+
+    def used(pid):
+        return sum(after[key][2] - before.get(key, after[key])[2]
+                   for key in after if key[0] == pid)
+
+    assert {after[key][0] for key in after if key[0] == parent.pid} == {"learner process"}
+    assert {after[key][0] for key in after if key[0] == spinner} == {
+        "children (servers / actors)"}
+    assert used(spinner) > 0  # it spun (how much depends on the machine's load)
+    assert used(parent.pid) < used(spinner)
+
+
+def test_command_reports_sps_roles_and_idle_share():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.cpushare", "monobeast", "Null-v0", "--warmup_s", "6",
+         "--window_s", "4", "--", "--model", "mlp", "--hidden_size", "8",
+         "--log_interval_steps", "2000"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "SPS" in out and "learner process" in out and "children" in out
+    assert "idle:" in out
