@@ -184,9 +184,9 @@ def local_torch_threads(kind, num_servers):
 def check_flags(flags, info):
     """PolyBeast's own env-dependent flags; returns the problems found.
 
-    inference_batch_size and max_learner_queue_size stay None when not given
-    (see inference_batch_size and learner_queue_size), so that a resume with another --num_actors
-    or --batch_size does not inherit sizes derived from the old ones.
+    inference_batch_size and max_learner_queue_size stay None when not given (see
+    inference_batch_size and learner_queue_size), so that a resume with another
+    --num_actors or --batch_size does not inherit sizes derived from the old ones.
     """
     problems = []
     default_layout(flags, info["kind"])
