@@ -15,15 +15,17 @@ Linux only (/proc).
 
 import argparse
 import collections
-import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from beast import runlog
+
+from bench import endtoend
 
 
 def make_parser():
@@ -36,6 +38,9 @@ def make_parser():
                              "the first updates are not what a run costs).")
     parser.add_argument("--window_s", type=float, default=25.0,
                         help="Seconds of the measured window.")
+    parser.add_argument("--log_interval_steps", type=int, default=10_000,
+                        help="The run's logs.csv interval: the window's SPS is read from the "
+                             "rows at its ends, so a few rows should fall in it.")
     return parser
 
 
@@ -84,21 +89,19 @@ def cpu_seconds(root):
 def last_row(logs):
     """(step, _time) of the last logs.csv row, or None."""
     try:
-        with open(logs) as f:
-            rows = list(csv.DictReader(f))
+        rows = runlog.read_logs(logs)
     except OSError:
         return None
-    return (int(rows[-1]["step"]), float(rows[-1]["_time"])) if rows else None
+    return (int(rows[-1]["step"]), rows[-1]["_time"]) if rows else None
 
 
 def measure(flags):
     """Runs the learner and returns (sps, {(role, thread name): cores busy}, cores)."""
     savedir = tempfile.mkdtemp(prefix="cpushare-")
-    logs = os.path.join(savedir, "run", "logs.csv")
-    command = [sys.executable, "-m", flags.variant, "--env", flags.env,
-               "--total_steps", str(10 ** 12), "--savedir", savedir, "--xpid", "run",
-               "--no_progress", *flags.run_flags]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL,
+    workload = endtoend.Workload("run", flags.variant, flags.env, "", flags.run_flags)
+    logs = os.path.join(savedir, workload.key, "logs.csv")
+    command = endtoend.training_command(workload, flags.log_interval_steps, savedir)
+    process = subprocess.Popen(command, cwd=endtoend.REPO, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         time.sleep(flags.warmup_s)
@@ -110,8 +113,10 @@ def measure(flags):
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
+        shutil.rmtree(savedir, ignore_errors=True)
     if row0 is None or row1 is None or row1[1] <= row0[1]:
-        sys.exit("no logs.csv rows in the window: raise --warmup_s or --window_s")
+        sys.exit("no two logs.csv rows in the window: raise --warmup_s or --window_s, or "
+                 "lower --log_interval_steps")
     sps = (row1[0] - row0[0]) / (row1[1] - row0[1])
     busy = collections.defaultdict(float)
     for key, (role, name, seconds) in after.items():

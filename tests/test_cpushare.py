@@ -1,8 +1,10 @@
 """bench/cpushare.py: CPU time per process role of a running training, from /proc."""
 
+import glob
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from bench import cpushare
@@ -43,12 +45,15 @@ def test_cpu_seconds_covers_the_whole_tree_and_names_the_roles():
 
 
 def test_command_reports_sps_roles_and_idle_share():
+    left_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "cpushare-*")))
     result = subprocess.run(
         [sys.executable, "-m", "bench.cpushare", "monobeast", "Null-v0", "--warmup_s", "6",
-         "--window_s", "4", "--", "--model", "mlp", "--hidden_size", "8",
-         "--log_interval_steps", "2000"],
+         "--window_s", "4", "--log_interval_steps", "2000", "--", "--model", "mlp",
+         "--hidden_size", "8"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "SPS" in out and "learner process" in out and "children" in out
     assert "idle:" in out
+    # The run's directory (logs, checkpoint) goes with it.
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "cpushare-*"))) == left_before
