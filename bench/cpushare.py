@@ -101,17 +101,24 @@ def measure(flags):
     workload = endtoend.Workload("run", flags.variant, flags.env, "", flags.run_flags)
     logs = os.path.join(savedir, workload.key, "logs.csv")
     command = endtoend.training_command(workload, flags.log_interval_steps, savedir)
-    process = subprocess.Popen(command, cwd=endtoend.REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Output to a file, not a pipe: a pipe nobody reads fills up and stalls the run.
+    output_path = os.path.join(savedir, "output.txt")
+    with open(output_path, "w") as output:
+        process = subprocess.Popen(command, cwd=endtoend.REPO, stdout=output, stderr=output,
+                                   start_new_session=True)
     try:
         time.sleep(flags.warmup_s)
         if process.poll() is not None:
-            sys.exit(f"the run ended during the warm-up:\n{process.stderr.read()[-3000:]}")
+            with open(output_path, errors="replace") as output:
+                sys.exit(f"the run ended during the warm-up:\n{output.read()[-3000:]}")
         before, row0, t0 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
         time.sleep(flags.window_s)
         after, row1, t1 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # the run and all its processes have ended already
         process.wait(60)
         shutil.rmtree(savedir, ignore_errors=True)
     if row0 is None or row1 is None or row1[1] <= row0[1]:

@@ -57,3 +57,13 @@ def test_command_reports_sps_roles_and_idle_share():
     assert "idle:" in out
     # The run's directory (logs, checkpoint) goes with it.
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "cpushare-*"))) == left_before
+
+
+def test_a_run_that_cannot_start_ends_with_its_own_message():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.cpushare", "monobeast", "Null-v0", "--warmup_s", "5",
+         "--window_s", "1", "--", "--no_such_flag"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "the run ended during the warm-up" in result.stderr
+    assert "--no_such_flag" in result.stderr and "Traceback" not in result.stderr
