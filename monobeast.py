@@ -157,6 +157,7 @@ def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, stat
     """Actor process: takes free buffer indices, fills them, hands them on."""
     # Ctrl-C goes to the whole process group; the learner decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    training.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index)
     sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
@@ -336,6 +337,7 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
     """Actor process of a --deterministic run: round after round, waits for the round's
     version of the weights, copies it and fills the round's buffers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    training.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index)
     # Its own copy (version 0 now): the learner writes the next version while this one acts.

@@ -6,8 +6,11 @@
 Starts `python -m <variant> --env <env>` (flags after `--` go to it), waits --warmup_s,
 reads the CPU time of every thread of the learner process and of its descendants (env
 servers, actor processes) from /proc, waits --window_s, reads again, and stops the run.
-Prints the SPS over the window (from logs.csv), and for each role the cores it kept busy
-and its core-microseconds per environment step. The sum against the machine's cores is
+Prints the SPS over the window (from logs.csv), and for each role and thread name the cores
+it kept busy and its core-microseconds per environment step. The runs name their threads
+(learner-<i>, inference-<i>, PolyBeast's C++ actor-<i> threads, MonoBeast's actor-<i>
+processes; the env servers' stepping runs in gRPC's grpcpp_sync_ser threads), and threads
+of one name add up. The sum against the machine's cores is
 the idle share: a run that keeps 1.5 of 2 cores busy is waiting on something (a round
 trip, a queue, a lock) for a quarter of the machine, which no faster kernel fixes.
 Linux only (/proc).

@@ -56,6 +56,7 @@
 
 #include <cxxabi.h>
 #include <grpcpp/grpcpp.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -336,6 +337,8 @@ class ActorPool {
         pool->all_done_.notify_all();
       }
     } ended{this};
+    // "actor-<index>" in top -H, py-spy and bench.cpushare, which split the cores by thread name.
+    pthread_setname_np(pthread_self(), ("actor-" + std::to_string(index)).substr(0, 15).c_str());
     try {
       grpc::ChannelArguments args;
       // A local subchannel pool keeps this channel's reconnect backoff its own.

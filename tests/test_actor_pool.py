@@ -5,6 +5,7 @@ counts, a server restart, and shutdown. Against broken TorchBeast-like servers
 complete (no progress, connect_timeout_s), and the rate-limited log. And interpreter exit while
 run() is active."""
 
+import os
 import pathlib
 import re
 import threading
@@ -344,6 +345,26 @@ def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path):
             assert rollout["frame"][0, 0, 2] == k * T
         for (previous, _), (following, _) in zip(group, group[1:]):
             check_overlap(previous, following)
+
+
+def os_thread_names():
+    """The OS names of this process's threads, as top -H and bench.cpushare see them."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_actor_threads_are_named_by_their_index(tmp_path):
+    pool = Pool(tmp_path)
+    try:
+        pool.wait_for(lambda rs: len(by_instance(rs)) == 2, "a rollout from each server")
+        names = os_thread_names()
+    finally:
+        pool.shutdown()
+    assert names.count("actor-0") == 1 and names.count("actor-1") == 1, names
 
 
 def test_batched_streams_give_one_rollout_per_environment(tmp_path):

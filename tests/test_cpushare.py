@@ -54,6 +54,9 @@ def test_command_reports_sps_roles_and_idle_share():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "SPS" in out and "learner process" in out and "children" in out
+    # The threads carry their names (beast.training.name_os_thread), so the cores split by
+    # thread: MonoBeast's actor processes and its learner thread.
+    assert "actor-0" in out and "actor-1" in out and "learner-0" in out
     assert "idle:" in out
     # The run's directory (logs, checkpoint) goes with it.
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "cpushare-*"))) == left_before

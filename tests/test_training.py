@@ -4,6 +4,7 @@ import argparse
 import pathlib
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -24,6 +25,22 @@ class RecordsMode(models.MLP):
     def forward(self, inputs, core_state=()):
         self.modes.append(self.training)
         return super().forward(inputs, core_state)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names: Linux only")
+def test_run_threads_carry_their_name_as_os_thread_name():
+    """So that top -H, py-spy and bench.cpushare can tell the learner from inference."""
+    seen = []
+
+    def target():
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            seen.append(f.read().strip())
+
+    for name in ("inference-0", "a-name-longer-than-15-bytes"):
+        thread = training.ThreadErrors().thread(name, target)
+        thread.start()
+        thread.join()
+    assert seen == ["inference-0", "a-name-longer-t"]  # the OS keeps 15 bytes
 
 
 def test_evaluation_acts_greedily_unless_asked_to_sample():
