@@ -471,17 +471,20 @@ def parse_args(parser, argv):
 
 
 @contextlib.contextmanager
-def stop_on_sigterm():
-    """Within it, SIGTERM ends the launcher as Ctrl-C does: the children are stopped, not
-    orphaned. The previous handler comes back on exit (main may run inside a test)."""
+def stop_on_signals():
+    """Within it, SIGTERM and SIGINT end the launcher as Ctrl-C does: the children are stopped,
+    not orphaned. SIGINT is set explicitly because a launcher started in the background of a
+    script inherits it ignored, and a kill -INT would then leave it and its runs going. The
+    previous handlers come back on exit (main may run inside a test)."""
     def handler(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def make_parser():
@@ -522,7 +525,7 @@ def summary(results):
 def main(argv=None):
     args = parse_args(make_parser(), argv)
     try:
-        with stop_on_sigterm():
+        with stop_on_signals():
             results = run_grid(grid_from_args(args), args.savedir, args.parallel,
                                stop_timeout_s=args.stop_timeout_s)
     except KeyboardInterrupt:

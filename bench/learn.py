@@ -532,7 +532,7 @@ def run_suite(args, specs):
     """The RunResults: launched (or, with --no_launch, read from the run folders)."""
     if args.no_launch:
         return [launch.load_result(spec, args.savedir) for spec in specs]
-    with launch.stop_on_sigterm():
+    with launch.stop_on_signals():
         return launch.run_grid(specs, args.savedir, args.parallel,
                                stop_timeout_s=args.stop_timeout_s)
 

@@ -104,16 +104,30 @@ def _wait_for(predicate, timeout_s, what):
         time.sleep(0.1)
 
 
+def kill_run(run_dir):
+    try:
+        os.killpg(json.loads((run_dir / "launch.json").read_text())["pid"], signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+def ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_ctrl_c_stops_the_runs_and_the_next_launch_resumes(tmp_path):
     """Ctrl-C on the launcher: its child checkpoints and exits, its process group is gone and
-    the run is recorded as stopped. Launching again continues from the checkpoint."""
+    the run is recorded as stopped. Launching again continues from the checkpoint.
+
+    The launcher starts with SIGINT ignored, as a background job of a script (or of a pytest
+    run in one) inherits it: it must still stop on SIGINT."""
     savedir = tmp_path / "runs"
     run_dir = savedir / "CartPole-v1-monobeast-s0"
     grid = ["--envs", "CartPole-v1", "--variants", "monobeast", "--seeds", "0",
             "--savedir", str(savedir), "--parallel", "1", "--stop_timeout_s", "30"]
     launcher = subprocess.Popen([sys.executable, "-m", "bench.launch", *grid, "--total_steps",
                                  str(10**9), "--", *TINY], cwd=REPO, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=ignore_sigint)
     try:
         # Once a row is logged the run is training, with its signal handlers in place.
         _wait_for(lambda: launch.logged_steps(str(run_dir)) > 0, 60, "the first logs.csv row")
@@ -123,6 +137,7 @@ def test_ctrl_c_stops_the_runs_and_the_next_launch_resumes(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+            kill_run(run_dir)  # a failed test leaves no training behind for the next ones
     assert launcher.returncode == 130, err
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # no process of the run's session is left
