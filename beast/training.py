@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -274,6 +275,9 @@ class TrainingStats:
         if episode_state:
             self.episodes.load_state_dict(episode_state)
         self.latest = {}
+        # The largest gradient norm since the last row: a row shows one update of the many
+        # between rows, and an outlier that wrecks the policy is rarely the one shown.
+        self.grad_norm_max = None
         self.env_errors = None  # the actors' environment restarts, when the variant counts them
         self.start_step, self.start_time = start_step, time.time()
         self.next_log_step = start_step + flags.log_interval_steps
@@ -289,8 +293,13 @@ class TrainingStats:
             stats["sps"] = (step - self.start_step) / max(1e-9, time.time() - self.start_time)
             if self.env_errors is not None:
                 stats["env_errors"] = self.env_errors
+            if math.isfinite(stats.get("grad_norm", math.nan)):
+                self.grad_norm_max = max(self.grad_norm_max or 0.0, stats["grad_norm"])
             self.latest = stats
             if step >= self.next_log_step or step >= self.flags.total_steps:
+                if self.grad_norm_max is not None:
+                    stats["grad_norm_max"] = self.grad_norm_max
+                    self.grad_norm_max = None
                 self.logger.log(step, stats)
                 while self.next_log_step <= step:
                     self.next_log_step += self.flags.log_interval_steps

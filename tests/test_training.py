@@ -27,6 +27,31 @@ class RecordsMode(models.MLP):
         return super().forward(inputs, core_state)
 
 
+class RowsLogger:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, step, stats):
+        self.rows.append((step, dict(stats)))
+
+
+def test_rows_carry_the_largest_gradient_norm_since_the_previous_row():
+    """A row shows the stats of one update; grad_norm_max is the largest of all the updates
+    since the row before, so a spike between rows is not lost (and a skipped update's
+    non-finite norm does not hide the finite ones)."""
+    flags = argparse.Namespace(log_interval_steps=100, total_steps=10**6)
+    logger = RowsLogger()
+    stats = training.TrainingStats(flags, logger, start_step=0)
+    no_games = {k: torch.zeros(3, 2, dtype=torch.bool if k == "game_over" else torch.float32)
+                for k in ("game_over", "episode_return", "episode_step")}
+    norms = [5.0, 900.0, float("nan"), 7.0, 3.0, 2.0]
+    for i, norm in enumerate(norms, 1):
+        stats.record(50 * i, {"grad_norm": norm}, no_games)
+    assert [step for step, _ in logger.rows] == [100, 200, 300]
+    assert [row["grad_norm"] for _, row in logger.rows] == [900.0, 7.0, 2.0]  # the last one
+    assert [row["grad_norm_max"] for _, row in logger.rows] == [900.0, 7.0, 3.0]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names: Linux only")
 def test_run_threads_carry_their_name_as_os_thread_name():
     """So that top -H, py-spy and bench.cpushare can tell the learner from inference."""
