@@ -10,7 +10,7 @@ this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The lea
                                                         or  VectorEnv of envs_per_stream envs
 
 A stream carries --envs_per_stream environments if given, else as many as the learner asks for when
-it opens the stream (python -m polybeast asks for its own --envs_per_stream: 32 on CartPole), else
+it opens the stream (python -m polybeast asks for its own --envs_per_stream: 64 on CartPole), else
 one, in TorchBeast's wire format (TorchBeast's learner asks for nothing).
 
 Every stream gets its own environment, seeded from (--seed, server index, stream number), so a

@@ -345,9 +345,9 @@ def test_servers_started_elsewhere(tmp_path):
 @pytest.mark.timeout(300)
 def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
     """Servers started by hand without --envs_per_stream host as many environments per stream
-    as the learner asks for: 32 on CartPole (polybeast.ENVS_PER_STREAM), not TorchBeast's one.
+    as the learner asks for: 64 on CartPole (polybeast.ENVS_PER_STREAM), not TorchBeast's one.
     Servers started with their own --envs_per_stream keep it."""
-    assert polybeast.ENVS_PER_STREAM["vector"] == 32
+    assert polybeast.ENVS_PER_STREAM["vector"] == 64
     servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
                     "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
     own = start(tmp_path, "own", "polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
@@ -367,7 +367,7 @@ def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
         stop_group(servers)
         stop_group(own)
     for index in range(2):  # one stream per server, as many actors as addresses
-        assert (f"server {index} stream 1: 32 environment(s) (asked for by the learner)"
+        assert (f"server {index} stream 1: 64 environment(s) (asked for by the learner)"
                 in output(tmp_path, "servers")), output(tmp_path, "servers")
     assert "stream 1: 3 environment(s) (--envs_per_stream)" in output(tmp_path, "own")
 
