@@ -44,7 +44,7 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # On Atari, more streams with fewer environments spread the servers' stepping over the cores;
 # bench/ measures the choice (README, Performance).
 # Vector tasks: 64, so that each stream amortizes its round trip (gRPC, inference) over more
-# environments; on 2 cores CartPole ran at 99,113-101,454 SPS with 2 servers x 128 envs against
+# environments; on 2 cores CartPole ran at 99,113-103,916 SPS with 2 servers x 128 envs against
 # 79,169-81,722 with 2 x 64 (three pairs, side by side), and learned as well (README).
 ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
 # The env servers started here, by default: one per core, at most this many, hosting
