@@ -313,6 +313,18 @@ class TrainingStats:
                 self.logger.log(step, stats)
 
 
+def set_intra_op_threads(n):
+    """Gives the calling thread n intra-op threads for its own parallel ops.
+
+    With OpenMP the count is per thread, and a thread takes its count lazily, at its
+    first parallel op or get_num_threads(), from the value that any thread set LAST: a
+    set_num_threads() in a new thread that has not yet asked is overwritten by that lazy
+    start, so its parallel ops run on the process-wide count after all. Asking first
+    makes the thread's own setting stick."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 _PR_SET_NAME = 15  # prctl(2)
 
 
@@ -413,6 +425,7 @@ class Run:
     def learner_thread(self, batches):
         """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
         total_steps or the end of `batches`."""
+        set_intra_op_threads(self.flags.num_torch_threads)
         for batch, initial_agent_state in batches:
             if self.done():
                 return

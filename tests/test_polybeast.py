@@ -422,11 +422,11 @@ def test_unreachable_servers_end_the_run_with_one_message(tmp_path):
 def test_bad_flags_are_reported_together(tmp_path):
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--num_actors", "0", "--num_inference_threads", "0",
-        "--pipes_basename", "/tmp/not-a-unix-address", "--batch_size", "8",
-        "--max_learner_queue_size", "2"))
+        "--inference_torch_threads", "0", "--pipes_basename", "/tmp/not-a-unix-address",
+        "--batch_size", "8", "--max_learner_queue_size", "2"))
     assert result.returncode == 2
-    for flag in ("--num_actors", "--num_inference_threads", "--pipes_basename",
-                 "--max_learner_queue_size"):
+    for flag in ("--num_actors", "--num_inference_threads", "--inference_torch_threads",
+                 "--pipes_basename", "--max_learner_queue_size"):
         assert flag in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 

@@ -68,6 +68,36 @@ def test_run_threads_carry_their_name_as_os_thread_name():
     assert seen == ["inference-0", "a-name-longer-t"]  # the OS keeps 15 bytes
 
 
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
+                    reason="intra-op thread counts are per thread only with OpenMP")
+def test_each_thread_keeps_the_intra_op_threads_it_set(keep_process_state):
+    """PolyBeast's inference thread asks for 1 intra-op thread while the learner's keep
+    more. A thread that set its count and then saw another thread set a different one
+    before its first parallel op must still run with its own (a plain set_num_threads
+    would take the other thread's count there)."""
+    set_own, other_set = threading.Event(), threading.Event()
+    seen = []
+
+    def inference_like():
+        training.set_intra_op_threads(1)
+        set_own.set()
+        other_set.wait()
+        torch.ones(64, 64).sum()  # a first parallel op
+        seen.append(torch.get_num_threads())
+
+    def learner_like():
+        set_own.wait()
+        training.set_intra_op_threads(2)
+        other_set.set()
+
+    threads = [threading.Thread(target=f) for f in (inference_like, learner_like)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [1]
+
+
 def test_evaluation_acts_greedily_unless_asked_to_sample():
     for policy, sampled in (("greedy", False), ("sample", True)):
         model = RecordsMode()
