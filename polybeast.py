@@ -70,8 +70,9 @@ def make_parser():
                         help="Environments behind each env server stream, stepped together and "
                              "sent as one batch (default: "
                              f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}; with fewer than "
-                             f"{DEFAULT_NUM_ACTORS} servers started here by default, as many "
-                             "more as keeps the environments in all the same). The servers "
+                             f"{DEFAULT_NUM_ACTORS} servers, started here or at "
+                             "--server_addresses, and --num_actors left to its default, as "
+                             "many more as keeps the environments in all the same). The servers "
                              "started here get it as a flag; the actors ask servers started "
                              "elsewhere for it when they open a stream, which those follow unless "
                              "started with their own --envs_per_stream.")
@@ -144,21 +145,36 @@ def inference_batch_size(flags):
 def default_layout(flags, kind):
     """Fills --num_actors and --envs_per_stream where not given (a resume keeps its own).
 
-    Servers started here: one per core, at most DEFAULT_NUM_ACTORS, together hosting
-    DEFAULT_NUM_ACTORS x ENVS_PER_STREAM[kind] environments. Servers elsewhere
-    (--server_addresses; _check_servers sets one actor per address) and an explicit
-    --num_actors: ENVS_PER_STREAM[kind] per stream.
+    One actor per server: one server per core started here (at most DEFAULT_NUM_ACTORS), or
+    one per address of --server_addresses (this rank's share). Their streams carry
+    ENVS_PER_STREAM[kind] environments each, or more when there are fewer than
+    DEFAULT_NUM_ACTORS servers, so that at least DEFAULT_NUM_ACTORS x ENVS_PER_STREAM[kind]
+    environments are in flight: servers started by hand get the layout of the ones started
+    here. An explicit --num_actors gets ENVS_PER_STREAM[kind] per stream.
     """
     local = flags.server_addresses is None and not flags.no_start_servers
-    by_cores = flags.num_actors is None and local
-    if flags.num_actors is None:
-        cores = beast_flags.default_num_torch_threads()
-        flags.num_actors = min(DEFAULT_NUM_ACTORS, cores) if local else DEFAULT_NUM_ACTORS
+    chosen = flags.num_actors is None
+    if chosen:
+        if local:
+            flags.num_actors = min(DEFAULT_NUM_ACTORS, beast_flags.default_num_torch_threads())
+        else:
+            flags.num_actors = _address_count(flags) or DEFAULT_NUM_ACTORS
     if flags.envs_per_stream is None:
         flags.envs_per_stream = ENVS_PER_STREAM[kind]
-        if by_cores:
+        if chosen:
             total = DEFAULT_NUM_ACTORS * ENVS_PER_STREAM[kind]
-            flags.envs_per_stream = max(1, total // flags.num_actors)
+            flags.envs_per_stream = max(flags.envs_per_stream, total // flags.num_actors)
+
+
+def _address_count(flags):
+    """This rank's number of --server_addresses; None without them, or when they do not parse
+    (_check_servers reports that)."""
+    if flags.server_addresses is None:
+        return None
+    try:
+        return len(server_list(flags))
+    except ValueError:
+        return None
 
 
 def learner_queue_size(flags):

@@ -147,15 +147,17 @@ def sps_windows(rows, warmup_fraction, num_windows):
 
 def run_training(workload, log_interval_steps, duration_s, workdir, warmup_fraction=0.2,
                  num_windows=8, startup_timeout_s=180.0, stop_timeout_s=90.0,
-                 while_running=None, log=print):
+                 while_running=None, log=print, command_prefix=()):
     """Runs one workload in a subprocess for duration_s after its first log row.
 
     while_running: optional fn(pid) called once the first row is there (py-spy
     attaches there); its time counts towards duration_s.
+    command_prefix: words before the command, one that execs it (the pid stays the run's),
+    e.g. ("ip", "netns", "exec", NAME) to run it inside a network namespace.
     Returns a RunResult.
     """
     xpid = workload.key
-    command = training_command(workload, log_interval_steps, workdir)
+    command = [*command_prefix, *training_command(workload, log_interval_steps, workdir)]
     out_path = os.path.join(workdir, f"{xpid}.out")
     logs_path = os.path.join(workdir, xpid, "logs.csv")
     result = RunResult(ok=False)

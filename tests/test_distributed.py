@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from beast import distributed
 from beast import runlog
 
-import netns
+from bench import netns
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WAIT_S = 240  # upper bound for anything a test waits on; never reached when things work
