@@ -82,13 +82,14 @@ class GymnasiumVectorEnv:
     def _make_env(self, j, restart):
         return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed(self.seed, j, restart))
 
-    def _store(self, j, env_output):
+    def _store(self, rows):
+        """rows[j] (a dict of env j's values) into the output arrays, field by field: one
+        assignment of N values per field costs less than N assignments of one value."""
         for key, array in self.outputs.items():
-            array[j] = env_output[key]
+            array[...] = [row[key] for row in rows]
 
     def initial(self):
-        for j, env in enumerate(self.envs):
-            self._store(j, env.initial())
+        self._store([env.initial() for env in self.envs])
         return self.outputs
 
     def step(self, actions):
@@ -96,12 +97,13 @@ class GymnasiumVectorEnv:
         if actions.shape != self.actions_shape:
             raise ValueError(f"expected {self.num_envs} actions, an array of shape "
                              f"{self.actions_shape}, got one of shape {actions.shape}")
+        rows = []
         for j, env in enumerate(self.envs):
             try:
-                env_output = env.step(actions[j])  # the adapter takes an int or a row [A]
+                rows.append(env.step(actions[j]))  # the adapter takes an int or a row [A]
             except Exception:  # A broken environment must not end the run.
-                env_output = self._restart(j)
-            self._store(j, env_output)
+                rows.append(self._restart(j))
+        self._store(rows)
         return self.outputs
 
     def _restart(self, j):

@@ -1,6 +1,7 @@
 """Ceilings: each piece of a training step measured alone, in this process.
 
-  env_sps          RolloutAdapter(create_env(...)).step with random actions, one process
+  env_sps          a vector env of VECTOR_ENVS (beast/vector_envs.py, the path of MonoBeast's
+                   actors and PolyBeast's servers) with random actions, one process
   learner_ms       beast.learner.learn_step on a random [T+1, B] rollout
   inference_ms     the acting forward pass (no grad, T=1) on a batch of B environments
 
@@ -30,6 +31,7 @@ from beast import flags as beast_flags
 from beast import learner
 from beast import models
 from beast import rollout
+from beast import vector_envs
 
 # What a network needs to be built and fed: the observation, the actions and its width.
 NetSpec = collections.namedtuple("NetSpec", "model hidden_size observation_shape num_actions")
@@ -138,7 +140,7 @@ class Ceilings:
     # -- environment stepping ----------------------------------------------------------------
 
     def env(self, env_id):
-        """Random-action steps per second of one env through RolloutAdapter, one process.
+        """Random-action env steps per second through a vector env of VECTOR_ENVS, one process.
 
         Returns dict(median, min, max, n, core_us) over n chunks of equal duration
         (steps/s; core_us: CPU microseconds of this process per step).
@@ -199,13 +201,19 @@ class Ceilings:
         return self._inference[key]
 
 
-def _measure_env(env_id, seconds, chunks, check_every=64):
+# Environments in the vector env that env_sps steps: a few, as an actor or a server stream
+# holds, so that the per-step cost includes the vector env's own (gathering N rows).
+VECTOR_ENVS = 8
+
+
+def _measure_env(env_id, seconds, chunks, check_every=8):
     flags = argparse.Namespace(env=env_id, episodic_life=False, env_backend="gymnasium")
-    env = envs.RolloutAdapter(envs.create_env(flags), seed=0)
-    actions = np.random.default_rng(0).integers(0, env.num_actions, 4096).tolist()
+    env = vector_envs.create_vector_env(flags, VECTOR_ENVS, seed=0)
+    num_actions = envs.env_info(flags)["num_actions"]
+    actions = np.random.default_rng(0).integers(0, num_actions, (512, VECTOR_ENVS))
     try:
         env.initial()
-        for i in range(200):  # warm-up: first episode, caches
+        for i in range(50):  # warm-up: first episodes, caches
             env.step(actions[i])
         rates = []
         n = 0
@@ -216,14 +224,14 @@ def _measure_env(env_id, seconds, chunks, check_every=64):
             deadline = start + seconds / chunks
             while True:
                 for _ in range(check_every):
-                    env.step(actions[n & 4095])
+                    env.step(actions[n & 511])
                     n += 1
-                steps += check_every
+                steps += check_every * VECTOR_ENVS
                 now = time.perf_counter()
                 if now >= deadline:
                     break
             rates.append(steps / (now - start))
-        core_us = (time.process_time() - cpu_start) * 1e6 / n
+        core_us = (time.process_time() - cpu_start) * 1e6 / (n * VECTOR_ENVS)
     finally:
         env.close()
     return dict(summary(rates), core_us=core_us)

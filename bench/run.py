@@ -237,7 +237,7 @@ def section_env(report, ceil, cores):
     rows = []
     for env_id in ENV_IDS:
         r = ceil.env(env_id)
-        rows.append([env_id, "gymnasium, one env", fmt(r["median"]),
+        rows.append([env_id, f"gymnasium, {ceilings.VECTOR_ENVS} envs", fmt(r["median"]),
                      f"{fmt(r['min'])} - {fmt(r['max'])}", fmt(r["core_us"])])
     for label, num_envs, batch, threads in envpool_cases(cores):
         r = ceil.envpool("ALE/Pong-v5", num_envs, batch, threads)
@@ -250,8 +250,9 @@ def section_env(report, ceil, cores):
     report.section(
         "1a. Environment stepping alone",
         table(["env", "how", "steps/s", "range over chunks", "core-us/step"], rows),
-        "Random actions. gymnasium: one process, `RolloutAdapter(create_env(flags)).step` "
-        "(Pong: our DeepMind-style preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
+        "Random actions. gymnasium: one process steps a vector env of "
+        f"{ceilings.VECTOR_ENVS} (`beast.vector_envs`, as an actor or a server stream does; "
+        "each env a `RolloutAdapter(create_env(flags))`) (Pong: our DeepMind-style preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
         "`envpool.make` with the same preprocessing, send/recv (asynchronous when the batch "
         "is smaller than the pool). core-us/step: CPU time of the process, all its threads, "
         "per step.")

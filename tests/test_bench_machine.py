@@ -23,3 +23,32 @@ def test_cpu_description_reads_the_model_and_bf16_flags():
     old = CPUINFO.format(model="Intel(R) Core(TM) i7-6700", flags="")
     assert run.cpu_description(old) == ("Intel(R) Core(TM) i7-6700", "none (emulated)")
     assert run.cpu_description("") == ("unknown", "none (emulated)")
+
+
+def test_env_ceiling_steps_a_vector_env_and_counts_every_environment(monkeypatch):
+    """env_sps goes through beast.vector_envs, as actors and servers do, and one call of
+    its step() counts as VECTOR_ENVS environment steps."""
+    from bench import ceilings
+
+    calls = []
+    real = ceilings.vector_envs.create_vector_env
+
+    def spy(flags, num_envs, seed):
+        env = real(flags, num_envs, seed)
+        step = env.step
+
+        def counted(actions):
+            calls.append(len(actions))
+            return step(actions)
+
+        env.step = counted
+        return env
+
+    monkeypatch.setattr(ceilings.vector_envs, "create_vector_env", spy)
+    result = ceilings._measure_env("Null-v0", seconds=0.2, chunks=1)
+    assert set(calls) == {ceilings.VECTOR_ENVS}
+    timed = len(calls) - 50  # after the warm-up steps
+    assert result["n"] == 1 and result["median"] > 0
+    # CPU time per environment step: the process's time over every timed env step, so at most
+    # the wall time of the chunk over those steps (one thread), not VECTOR_ENVS times more.
+    assert result["core_us"] <= 1.5 * 0.2e6 / (timed * ceilings.VECTOR_ENVS) + 50
