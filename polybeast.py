@@ -60,7 +60,31 @@ def make_parser():
         description="PolyBeast: IMPALA with environment servers and a C++ actor pool.",
         formatter_class=beast_flags.HelpFormatter)
     beast_flags.add_common_flags(parser)
-    # Environment servers and actors.
+    _add_server_flags(parser)
+    # Inference and the learner queue.
+    parser.add_argument("--num_inference_threads", type=int, default=1,
+                        help="Threads that run the acting model on batches of actor requests.")
+    parser.add_argument("--inference_torch_threads", type=int, default=1,
+                        help="Intra-op threads of each inference thread (the learner threads "
+                             "keep --num_torch_threads). One: a batch of single steps is too "
+                             "small to split: on 2 cores Pong ran at 1,222-1,287 SPS with 1 "
+                             "against 1,135-1,204 with 2, side by side.")
+    parser.add_argument("--inference_batch_size", type=int, default=None,
+                        help="Most actor requests in one inference forward pass "
+                             "(default: num_actors).")
+    # Several learner ranks (torchrun; beast/distributed.py).
+    parser.add_argument("--dist_timeout_s", type=float, default=300.0,
+                        help="Under torchrun: end the run when another learner rank sends no "
+                             "heartbeat, or a gradient all-reduce waits, for this long (a rank "
+                             "that crashed is usually noticed at once).")
+    parser.add_argument("--max_learner_queue_size", type=int, default=None,
+                        help="Rollouts that may wait for the learner before the actors block; "
+                             "a short queue keeps the policy lag small (default: batch_size).")
+    return parser
+
+
+def _add_server_flags(parser):
+    """Where the env servers are, how many, and how their streams are laid out."""
     parser.add_argument("--num_actors", type=int, default=None,
                         help="Actor threads, one gRPC stream each (a stream carries "
                              "--envs_per_stream environments); also the number of env servers "
@@ -96,26 +120,6 @@ def make_parser():
                              "server counts, not inference or the learner queue: set it above "
                              "the slowest environment step (with --envs_per_stream, the whole "
                              "batch's).")
-    # Inference and the learner queue.
-    parser.add_argument("--num_inference_threads", type=int, default=1,
-                        help="Threads that run the acting model on batches of actor requests.")
-    parser.add_argument("--inference_torch_threads", type=int, default=1,
-                        help="Intra-op threads of each inference thread (the learner threads "
-                             "keep --num_torch_threads). One: a batch of single steps is too "
-                             "small to split: on 2 cores Pong ran at 1,222-1,287 SPS with 1 "
-                             "against 1,135-1,204 with 2, side by side.")
-    parser.add_argument("--inference_batch_size", type=int, default=None,
-                        help="Most actor requests in one inference forward pass "
-                             "(default: num_actors).")
-    # Several learner ranks (torchrun; beast/distributed.py).
-    parser.add_argument("--dist_timeout_s", type=float, default=300.0,
-                        help="Under torchrun: end the run when another learner rank sends no "
-                             "heartbeat, or a gradient all-reduce waits, for this long (a rank "
-                             "that crashed is usually noticed at once).")
-    parser.add_argument("--max_learner_queue_size", type=int, default=None,
-                        help="Rollouts that may wait for the learner before the actors block; "
-                             "a short queue keeps the policy lag small (default: batch_size).")
-    return parser
 
 
 # ----------------------------------------------------------------------------
