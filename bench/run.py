@@ -252,7 +252,8 @@ def section_env(report, ceil, cores):
         table(["env", "how", "steps/s", "range over chunks", "core-us/step"], rows),
         "Random actions. gymnasium: one process steps a vector env of "
         f"{ceilings.VECTOR_ENVS} (`beast.vector_envs`, as an actor or a server stream does; "
-        "each env a `RolloutAdapter(create_env(flags))`) (Pong: our DeepMind-style preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
+        "each env a `RolloutAdapter(create_env(flags))`; Pong: our DeepMind-style "
+        "preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
         "`envpool.make` with the same preprocessing, send/recv (asynchronous when the batch "
         "is smaller than the pool). core-us/step: CPU time of the process, all its threads, "
         "per step.")
