@@ -275,8 +275,9 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
 
 
 def create_optimizer(flags, model, world_size=1):
-    """RMSprop with TorchBeast's defaults and a learning rate that decays
-    linearly to zero at total_steps (the steps of all world_size learner ranks)."""
+    """RMSprop, as TorchBeast uses it (step size and epsilon from the flags), with a learning
+    rate that decays linearly to zero at total_steps (the steps of all world_size learner
+    ranks)."""
     optimizer = torch.optim.RMSprop(
         model.parameters(),
         lr=flags.learning_rate,
