@@ -45,7 +45,7 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # bench/ measures the choice (README, Performance).
 # Vector tasks: 128, so that each stream amortizes its round trip (gRPC, inference) over more
 # environments; on 2 cores CartPole ran at 123,255-136,392 SPS with 2 servers x 256 envs against
-# 106,014-109,837 with 2 x 128 (four pairs, side by side; 2 x 512: 128,790 and 137,924), as
+# 106,014-109,837 with 2 x 128 (four pairs, run in turn; 2 x 512: 128,790 and 137,924), as
 # fast as MonoBeast's defaults beside them (128,247-136,847), and learned as well (README).
 ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 128, "continuous": 16}
 # The env servers started here, by default: one per core, at most this many, hosting
