@@ -43,11 +43,13 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # Environments behind each server stream, by kind of environment (beast/flags.py ENV_DEFAULTS).
 # On Atari, more streams with fewer environments spread the servers' stepping over the cores;
 # bench/ measures the choice (README, Performance).
-# Vector tasks: 128, so that each stream amortizes its round trip (gRPC, inference) over more
-# environments; on 2 cores CartPole ran at 123,255-136,392 SPS with 2 servers x 256 envs against
-# 106,014-109,837 with 2 x 128 (four pairs, run in turn; 2 x 512: 128,790 and 137,924), as
-# fast as MonoBeast's defaults beside them (128,247-136,847), and learned as well (README).
-ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 128, "continuous": 16}
+# Vector tasks: 64, so that each stream amortizes its round trip (gRPC, inference) over more
+# environments; on 2 cores CartPole ran at 99,113-103,916 SPS with 2 servers x 128 envs against
+# 79,169-81,722 with 2 x 64 (three pairs, run in turn). 2 x 256 ran faster still
+# (123,255-136,392 against 106,014-109,837 for 2 x 128), but with rewards x 0.1 (the vector
+# default since) its twice longer policy lag slowed learning: 10 CartPole seeds first reached
+# 475 at 0.55M steps in the median against 0.36M, and one fell late and ended at 235 (README).
+ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
 # The env servers started here, by default: one per core, at most this many, hosting
 # DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
 # the extra processes only take turns: on 2 cores (AMD EPYC), 2 servers x 4 Pong envs ran

@@ -26,9 +26,9 @@ from beast import runlog
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WAIT_S = 120  # upper bound for anything a test waits on; never reached when things work
 
-# The repo's CartPole defaults (4 servers x 32 environments per stream), as a user runs them,
-# with a shorter learning-rate schedule (1M steps instead of 1.5M); the run stops as soon as it
-# gets there, usually at 300k-500k steps. (With a 500k schedule, 1 run in 5 ended short of 400.)
+# The repo's CartPole defaults as a user runs them, with 4 servers (64 environments per
+# stream) and the default 1M-step schedule; the run stops as soon as it gets there, usually at
+# 300k-500k steps.
 CARTPOLE_LEARNS = ["--env", "CartPole-v1", "--num_actors", "4", "--total_steps", "1000000",
                    "--seed", "1"]
 
@@ -351,28 +351,28 @@ def layout(monkeypatch, cores, *args):
 
 def test_servers_by_hand_get_the_layout_of_servers_started_here(monkeypatch):
     """Fewer servers than DEFAULT_NUM_ACTORS (4), whether started here (one per core) or at
-    --server_addresses, carry more environments per stream, so that 4 x 128 CartPole
-    environments are in flight either way; more servers carry 128 each. An explicit
+    --server_addresses, carry more environments per stream, so that 4 x 64 CartPole
+    environments are in flight either way; more servers carry 64 each. An explicit
     --num_actors or --envs_per_stream is taken as given."""
     def addresses(n):
         return ["--server_addresses", ",".join(f"h:{4000 + i}" for i in range(n))]
 
-    assert layout(monkeypatch, 2) == (2, 256)
-    assert layout(monkeypatch, 2, *addresses(2)) == (2, 256)
-    assert layout(monkeypatch, 16) == (4, 128)
-    assert layout(monkeypatch, 16, *addresses(16)) == (16, 128)
-    assert layout(monkeypatch, 2, *addresses(3)) == (3, 170)
-    assert layout(monkeypatch, 2, "--num_actors", "2") == (2, 128)
+    assert layout(monkeypatch, 2) == (2, 128)
+    assert layout(monkeypatch, 2, *addresses(2)) == (2, 128)
+    assert layout(monkeypatch, 16) == (4, 64)
+    assert layout(monkeypatch, 16, *addresses(16)) == (16, 64)
+    assert layout(monkeypatch, 2, *addresses(3)) == (3, 85)
+    assert layout(monkeypatch, 2, "--num_actors", "2") == (2, 64)
     assert layout(monkeypatch, 2, *addresses(2), "--envs_per_stream", "8") == (2, 8)
 
 
 @pytest.mark.timeout(300)
 def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
     """Servers started by hand without --envs_per_stream host as many environments per stream
-    as the learner asks for, not TorchBeast's one: on CartPole, with 3 addresses, 170, so that
-    at least 4 x 128 are in flight (polybeast.default_layout). Servers started with their own
+    as the learner asks for, not TorchBeast's one: on CartPole, with 3 addresses, 85, so that
+    at least 4 x 64 are in flight (polybeast.default_layout). Servers started with their own
     --envs_per_stream keep it."""
-    assert (polybeast.DEFAULT_NUM_ACTORS, polybeast.ENVS_PER_STREAM["vector"]) == (4, 128)
+    assert (polybeast.DEFAULT_NUM_ACTORS, polybeast.ENVS_PER_STREAM["vector"]) == (4, 64)
     servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
                     "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
     own = start(tmp_path, "own", "polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
@@ -392,7 +392,7 @@ def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
         stop_group(servers)
         stop_group(own)
     for index in range(2):  # one stream per server, as many actors as addresses
-        assert (f"server {index} stream 1: 170 environment(s) (asked for by the learner)"
+        assert (f"server {index} stream 1: 85 environment(s) (asked for by the learner)"
                 in output(tmp_path, "servers")), output(tmp_path, "servers")
     assert "stream 1: 3 environment(s) (--envs_per_stream)" in output(tmp_path, "own")
 

@@ -137,7 +137,8 @@ def test_time_limits_bootstrap(tmp_path, variant, envs_per_stream):
                "--savedir", str(tmp_path), "--xpid", "limit", "--no_progress",
                "--discounting", "0.9", "--total_steps", "150000", "--hidden_size", "32",
                "--unroll_length", "20", "--batch_size", "8", "--entropy_cost", "0",
-               "--learning_rate", "0.002"]
+               "--learning_rate", "0.002",
+               "--reward_scale", "1.0"]  # the values below are in the reward's own units
     if variant == "polybeast":
         # One environment per stream: truncated travels in its own Step field; more: in
         # the batch's dict.
