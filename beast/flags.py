@@ -91,10 +91,10 @@ ENV_DEFAULTS = {
     # 0.01 at T=80 (1 of 30). The learning rate decays to 0 over total_steps: the late, small
     # steps are what settle the policy, so the schedule ends soon after the task is usually
     # solved. Rewards x 0.1 (README, "What a CartPole fall is"): a fall is the cart drifting
-    # off the track, and with rewards unscaled (values near 100) the value loss, whose
-    # gradient shares the policy's torso, weighs 10x more against the policy's (it grows with
-    # the square of the scale, the policy's with the scale); baseline_cost 0.05 alone did
-    # most of what the scale does. Scaled, with 1M steps, 10 MonoBeast seeds first reached
+    # off the track, and with rewards unscaled (values near 100) the value loss's gradient,
+    # which shares the policy's torso and so RMSprop's scale for its steps, weighs 10x more
+    # against the policy's (it grows with the square of the scale, the policy's with the
+    # scale); baseline_cost 0.05 alone did most of what the scale does. Scaled, with 1M steps, 10 MonoBeast seeds first reached
     # 475 at 0.26M steps in the median (0.88M unscaled, with 1.5M steps) and fell by half 0.6
     # times a run (3.1). 750k was as good for MonoBeast; 1M leaves PolyBeast room (its
     # slowest of 10 seeds first passed 475 at 0.48M).
