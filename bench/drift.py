@@ -130,6 +130,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.train:
         return train_one(args.train, extra)
+    if any(arg == "--env" or arg.startswith("--env=") for arg in extra):
+        parser.error("it trains CartPole-v1 only (the track and the pole are CartPole's): "
+                     "drop --env from the flags after --")
     per_seed = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         xpid = f"drift-s{seed}"

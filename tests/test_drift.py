@@ -7,6 +7,7 @@ import sys
 
 import gymnasium
 import numpy as np
+import pytest
 
 from bench import drift
 
@@ -82,3 +83,10 @@ def test_a_short_run_traces_every_evaluation_episode_and_no_training_one(tmp_pat
     assert len(ends(run / "trace.jsonl")) == 2 * len(evals)
     assert result.stdout.startswith("seed 3: ")
     assert "failed: cart off the left end" in result.stdout
+
+
+def test_another_env_is_refused_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        drift.main(["--seeds", "0", "--", "--env", "Acrobot-v1"])
+    assert exit_info.value.code == 2
+    assert "CartPole-v1 only" in capsys.readouterr().err
