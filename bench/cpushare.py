@@ -29,6 +29,7 @@ import time
 from beast import runlog
 
 from bench import endtoend
+from bench.launch import split_argv
 
 
 def make_parser():
@@ -136,10 +137,9 @@ def measure(flags):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    # Everything after `--` goes to the learner.
-    split = argv.index("--") if "--" in argv else len(argv)
-    flags = make_parser().parse_args(argv[:split])
-    flags.run_flags = argv[split + 1:]
+    ours, run_flags = split_argv(argv)  # everything after `--` goes to the learner
+    flags = make_parser().parse_args(ours)
+    flags.run_flags = run_flags
     sps, busy, cores = measure(flags)
     print(f"{flags.variant} {flags.env} {' '.join(flags.run_flags)}".rstrip())
     print(f"  SPS {sps:,.0f} over {flags.window_s:g} s; {cores} cores")

@@ -33,6 +33,8 @@ if REPO not in sys.path:  # `python -m bench.drift` from another directory
 
 from beast import flags as beast_flags  # noqa: E402
 
+from bench.launch import split_argv  # noqa: E402
+
 
 class EndLog(gymnasium.Wrapper):
     """Appends one JSON line per finished episode to `path`: "limit", "left", "right" or
@@ -108,10 +110,7 @@ def report(per_seed, window):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    extra = []
-    if "--" in argv:
-        argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    argv, extra = split_argv(sys.argv[1:] if argv is None else list(argv))
     parser = argparse.ArgumentParser(
         prog="python -m bench.drift",
         usage="python -m bench.drift [options] [-- extra monobeast flags]",

@@ -38,6 +38,7 @@ if REPO not in sys.path:  # `python -m bench.solve` from another directory
 from beast import flags as beast_flags  # noqa: E402
 
 from bench import endtoend  # noqa: E402
+from bench.launch import split_argv  # noqa: E402
 
 
 def make_parser():
@@ -69,14 +70,6 @@ def make_parser():
                         help="Where the runs write, kept afterwards (default: a temporary "
                              "directory, removed at the end).")
     return parser
-
-
-def split_argv(argv):
-    """(our arguments, the variant's) split at the first `--`."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1:]
-    return argv, []
 
 
 def log(message):
