@@ -104,14 +104,22 @@ def _add_server_flags(parser):
                              "elsewhere for it when they open a stream, which those follow unless "
                              "started with their own --envs_per_stream.")
     parser.add_argument("--pipes_basename", default=None,
-                        help="Env server i listens at <pipes_basename>.i, a unix socket "
-                             "(default: unix:<fresh temporary directory>/env, removed at exit).")
+                        help="Env server i listens at <pipes_basename>.i, a unix socket: "
+                             "unix:PATH for gRPC, raw:PATH for the same messages without gRPC "
+                             "(default: <--local_transport>:<fresh temporary directory>/env, "
+                             "removed at exit).")
+    parser.add_argument("--local_transport", choices=["raw", "grpc"], default="raw",
+                        help="How the actors talk to the env servers this run starts: raw, "
+                             "length-prefixed messages on a unix socket, read and written by the "
+                             "actor threads themselves (fewer hand-offs per round trip); grpc, "
+                             "gRPC on a unix socket, what servers elsewhere and TorchBeast's "
+                             "speak. The messages are the same (csrc/rpcenv.proto)."),
     parser.add_argument("--no_start_servers", action="store_true",
                         help="Connect to env servers started elsewhere with `python -m "
                              "polybeast_env` (at --server_addresses, or <pipes_basename>.i).")
     parser.add_argument("--server_addresses", default=None,
-                        help="Comma-separated addresses of running env servers (unix:PATH or "
-                             "HOST:PORT); actor i streams from address i mod their number. "
+                        help="Comma-separated addresses of running env servers (unix:PATH, "
+                             "raw:PATH or HOST:PORT); actor i streams from address i mod their number. "
                              "Implies --no_start_servers.")
     parser.add_argument("--connect_timeout_s", type=float, default=60.0,
                         help="End the run when an env server cannot be reached for this long "
@@ -264,11 +272,11 @@ def _check_servers(flags):
     elif flags.no_start_servers and flags.pipes_basename is None:
         return ["--no_start_servers needs --server_addresses (or --pipes_basename) to know "
                 "where the env servers listen."]
-    if flags.pipes_basename is not None and not flags.pipes_basename.startswith("unix:"):
-        return [f"--pipes_basename must start with 'unix:' (got {flags.pipes_basename!r}); use "
-                "--server_addresses HOST:PORT,... for TCP."]
+    if flags.pipes_basename is not None and not beast_flags.socket_path(flags.pipes_basename):
+        return [f"--pipes_basename must be unix:PATH or raw:PATH (got {flags.pipes_basename!r}); "
+                "use --server_addresses HOST:PORT,... for TCP."]
     if flags.pipes_basename is not None and not flags.no_start_servers:
-        directory = os.path.dirname(flags.pipes_basename[len("unix:"):]) or "."
+        directory = os.path.dirname(beast_flags.socket_path(flags.pipes_basename)) or "."
         if not os.path.isdir(directory):
             return [f"--pipes_basename: the directory {directory} does not exist."]
     return []
@@ -292,7 +300,8 @@ class LocalEnvServers:
         self.rank, world_size = distributed.env_rank()
         if flags.pipes_basename is None:
             self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-")
-            self.pipes_basename = f"unix:{self.own_dir}/env"
+            scheme = "raw" if flags.local_transport == "raw" else "unix"
+            self.pipes_basename = f"{scheme}:{self.own_dir}/env"
         elif world_size > 1:  # learner ranks on one host must not share sockets
             self.pipes_basename = f"{flags.pipes_basename}-rank{self.rank}"
         else:
@@ -327,7 +336,7 @@ class LocalEnvServers:
     def wait_until_listening(self, timeout_s, stop):
         """Blocks until every socket exists or `stop` is set. Raises UserError if the
         servers exit or do not listen within timeout_s."""
-        paths = [a[len("unix:"):] for a in self.addresses]
+        paths = [beast_flags.socket_path(a) for a in self.addresses]
         deadline = time.monotonic() + timeout_s
         while not all(os.path.exists(p) for p in paths) and not stop.is_set():
             code = self.exit_code()

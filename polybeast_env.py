@@ -4,9 +4,11 @@
 
 starts --num_servers processes; server i listens at <pipes_basename>.i (unix sockets, reachable from
 this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The learner
-(python -m polybeast) connects one actor thread to each address. Data path of one server:
+(python -m polybeast) connects one actor thread to each address. A raw:PATH basename serves the
+same messages without gRPC (csrc/raw_socket.h), as the servers a learner starts itself do. Data
+path of one server:
 
-    actor thread --gRPC stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
+    actor thread --gRPC (or raw) stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
                                                         or  VectorEnv of envs_per_stream envs
 
 A stream carries --envs_per_stream environments if given, else as many as the learner asks for when
@@ -33,7 +35,7 @@ import threading
 import numpy as np
 
 from beast import flags as beast_flags
-from beast.flags import is_loopback, split_host_port
+from beast.flags import is_loopback, socket_path, split_host_port
 
 
 def make_parser():
@@ -57,7 +59,10 @@ def make_parser():
     parser.add_argument("--num_servers", type=int, default=4,
                         help="Number of server processes, one address each.")
     parser.add_argument("--pipes_basename", type=str, default="unix:/tmp/polybeast",
-                        help="Unix socket addresses: server i listens at <pipes_basename>.i.")
+                        help="Unix socket addresses: server i listens at <pipes_basename>.i. "
+                             "unix:PATH serves gRPC (any learner, TorchBeast's included); "
+                             "raw:PATH the same messages without gRPC, which only this "
+                             "project's learner speaks, with less time per round trip."),
     parser.add_argument("--address", type=str, default=None,
                         help="Serve over TCP instead: HOST:PORT (or tcp:HOST:PORT); server i "
                              "listens at HOST:PORT+i. A non-loopback HOST accepts connections "
@@ -70,13 +75,14 @@ def make_parser():
 
 
 def server_address(flags, index):
-    """The gRPC address of server `index`: "unix:PATH.index" or "HOST:PORT+index"."""
+    """The address of server `index`: "unix:PATH.index", "raw:PATH.index" or
+    "HOST:PORT+index"."""
     if flags.address:
         host, port = split_host_port(flags.address)
         return f"{host}:{port + index}"
-    if not flags.pipes_basename.startswith("unix:"):
-        raise ValueError(f"--pipes_basename must start with 'unix:', got {flags.pipes_basename!r}; "
-                         "use --address HOST:PORT for TCP")
+    if not socket_path(flags.pipes_basename):
+        raise ValueError(f"--pipes_basename must be unix:PATH or raw:PATH, got "
+                         f"{flags.pipes_basename!r}; use --address HOST:PORT for TCP")
     return f"{flags.pipes_basename}.{index}"
 
 
@@ -162,8 +168,8 @@ def serve(flags, address, server_index=0):
 
 
 def _remove_socket(address):
-    if address.startswith("unix:"):
-        path = address[len("unix:"):]
+    path = socket_path(address)
+    if path:
         try:
             if stat.S_ISSOCK(os.stat(path).st_mode):
                 os.unlink(path)

@@ -549,32 +549,46 @@ def split_host_port(address):
     return host, int(port)
 
 
+# Env server addresses that are a unix socket file: "unix:" is gRPC over it, "raw:" our
+# framing without gRPC (csrc/raw_socket.h), which only our servers and learner speak.
+SOCKET_SCHEMES = ("unix:", "raw:")
+
+
+def socket_path(address):
+    """The socket file of a unix:PATH or raw:PATH address; None for any other address."""
+    for scheme in SOCKET_SCHEMES:
+        if address.startswith(scheme):
+            return address[len(scheme):]
+    return None
+
+
 def is_loopback(address):
-    """Whether only this machine can reach `address` (unix:PATH, or a loopback HOST:PORT).
-    Raises ValueError for an address that is neither unix:PATH nor HOST:PORT."""
-    if address.startswith("unix:"):
+    """Whether only this machine can reach `address` (unix:PATH, raw:PATH, or a loopback
+    HOST:PORT). Raises ValueError for an address that is none of these."""
+    if socket_path(address) is not None:
         return True
     host, _ = split_host_port(address)
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
 def parse_address_list(text):
-    """A comma-separated --server_addresses value -> a list of gRPC addresses: "unix:PATH"
-    as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing comma) are
+    """A comma-separated --server_addresses value -> a list of addresses: "unix:PATH" and
+    "raw:PATH" as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing comma) are
     skipped. Raises ValueError naming the first bad entry, or for a list with no address."""
     addresses = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
-        if entry.startswith("unix:"):
-            if entry == "unix:":
-                raise ValueError(f"{entry!r} names no socket path: give unix:PATH")
+        path = socket_path(entry)
+        if path is not None:
+            if not path:
+                raise ValueError(f"{entry!r} names no socket path: give {entry}PATH")
             addresses.append(entry)
             continue
         try:
             host, port = split_host_port(entry)
         except ValueError:
-            raise ValueError(f"{entry!r} is neither unix:PATH nor HOST:PORT") from None
+            raise ValueError(f"{entry!r} is neither unix:PATH, raw:PATH nor HOST:PORT") from None
         addresses.append(f"{host}:{port}")
     if not addresses:
         raise ValueError(f"no address in {text!r}: give unix:PATH or HOST:PORT, comma-separated")

@@ -1,4 +1,5 @@
-// The actor pool: one C++ thread per environment server.
+// The actor pool: one C++ thread per environment server, over gRPC or, for a
+// "raw:" address, a unix socket without gRPC (env_stream.h).
 //
 //   env server --Step--> actor thread --compute((env_outputs, agent_state))--> DynamicBatcher
 //       ^                  |     <------- (agent_outputs, agent_state) -------- (inference thread)
@@ -16,7 +17,8 @@
 // bootstrap needs), and initial_agent_state is the agent state before step 0.
 //
 // A server that goes away is not an error: the actor logs a line, drops the
-// rollout in progress, reconnects (gRPC backoff, 100 ms doubling up to 2 s)
+// rollout in progress, reconnects (gRPC backoff, 100 ms doubling up to 2 s;
+// a raw: address, env_stream.h, is tried every 100 ms)
 // and starts over with a fresh agent state. A server that goes silent counts
 // as gone: run() cancels a stream that has waited stream_timeout_s for its
 // next Step (the wait covers Action write + Step read only, not inference or
@@ -55,7 +57,6 @@
 #pragma once
 
 #include <cxxabi.h>
-#include <grpcpp/grpcpp.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -78,8 +79,8 @@
 
 #include "batching_queue.h"
 #include "dynamic_batcher.h"
+#include "env_stream.h"
 #include "nest.h"
-#include "rpcenv.grpc.pb.h"
 #include "stream_layout.h"
 
 namespace beast {
@@ -114,6 +115,9 @@ class ActorPool {
     }
     for (const std::string& key : env_keys_) {
       if (key.empty()) throw std::invalid_argument("env_keys must not contain an empty name");
+    }
+    for (const std::string& address : addresses_) {
+      if (is_raw_address(address)) raw_socket_address(address);  // throws for a bad one
     }
   }
   // run() has joined every thread before the pool can be destroyed.
@@ -172,7 +176,7 @@ class ActorPool {
     closed_ = true;
     std::lock_guard<std::mutex> lock(mu_);
     for (StreamWatch& watch : watches_) {
-      if (watch.context) watch.context->TryCancel();
+      if (watch.stream) watch.stream->cancel();
     }
   }
 
@@ -187,7 +191,7 @@ class ActorPool {
 
   // What run() knows of an actor's stream. GUARDED_BY(mu_)
   struct StreamWatch {
-    grpc::ClientContext* context = nullptr;  // nullptr between streams
+    EnvStream* stream = nullptr;  // nullptr between streams
     std::optional<Clock::time_point> waiting_since;  // set while waiting for a Step
     double cancelled_after_s = 0;  // > 0: run() cancelled it after waiting this long
   };
@@ -197,11 +201,10 @@ class ActorPool {
   // waiting(false)) lasts longer than stream_timeout_s.
   class LiveStream {
    public:
-    LiveStream(ActorPool* pool, size_t index, grpc::ClientContext* context)
-        : pool_(pool), index_(index) {
+    LiveStream(ActorPool* pool, size_t index, EnvStream* stream) : pool_(pool), index_(index) {
       std::lock_guard<std::mutex> lock(pool_->mu_);
-      pool_->watches_[index_] = StreamWatch{context};
-      if (pool_->closed_) context->TryCancel();
+      pool_->watches_[index_] = StreamWatch{stream};
+      if (pool_->closed_) stream->cancel();
     }
     ~LiveStream() {
       std::lock_guard<std::mutex> lock(pool_->mu_);
@@ -228,10 +231,10 @@ class ActorPool {
   void cancel_silent_streams() {
     const Clock::time_point now = Clock::now();
     for (StreamWatch& watch : watches_) {
-      if (watch.context && watch.waiting_since && watch.cancelled_after_s == 0 &&
+      if (watch.stream && watch.waiting_since && watch.cancelled_after_s == 0 &&
           now - *watch.waiting_since > stream_timeout_) {
         watch.cancelled_after_s = seconds(now - *watch.waiting_since);
-        watch.context->TryCancel();
+        watch.stream->cancel();
       }
     }
   }
@@ -271,7 +274,7 @@ class ActorPool {
 
   // How a stream ended.
   struct StreamEnd {
-    std::string why;  // the gRPC status, or the stream timeout
+    std::string why;  // what the transport or the server said, or the stream timeout
     bool timed_out = false;
     int64_t steps = 0;  // Steps received
     int64_t rollouts = 0;  // rollouts completed
@@ -340,17 +343,7 @@ class ActorPool {
     // "actor-<index>" in top -H, py-spy and bench.cpushare, which split the cores by thread name.
     pthread_setname_np(pthread_self(), ("actor-" + std::to_string(index)).substr(0, 15).c_str());
     try {
-      grpc::ChannelArguments args;
-      // A local subchannel pool keeps this channel's reconnect backoff its own.
-      args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-      args.SetMaxReceiveMessageSize(-1);  // large observations
-      args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);  // env servers are never behind an HTTP proxy
-      auto channel =
-          grpc::CreateCustomChannel(addresses_[index], grpc::InsecureChannelCredentials(), args);
-      auto stub = rpcenv::RPCEnvServer::NewStub(channel);
+      std::unique_ptr<EnvConnection> connection = EnvConnection::create(addresses_[index]);
 
       Clock::time_point last_contact = Clock::now();  // the last Step received
       std::optional<Clock::time_point> progress;  // see check_progress
@@ -361,20 +354,20 @@ class ActorPool {
       bool announce = false;  // log "reconnected" when the next stream answers
       while (!stopping()) {
         check_progress(last_contact, progress, early_streams, trouble);
-        auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
-        if (!channel->WaitForConnected(deadline)) continue;
         const Clock::time_point started = Clock::now();
-        StreamEnd end = run_stream(index, stub.get(), announce);
+        std::unique_ptr<EnvStream> stream = connection->open(envs_per_stream_);
+        if (!stream) continue;  // not reachable now; open() waited a little
+        StreamEnd end = run_stream(index, stream.get(), announce);
         if (stopping()) break;
         trouble = end.why;
-        announce = false;
         if (end.steps > 0) {
           last_contact = end.last_step;
           if (!progress) progress = started;
+          announce = false;  // run_stream logged "reconnected", if it was to
         }
-        if (end.steps > 0 || end.timed_out) {
-          announce = log_lost(index, &lost_lines, "lost the env server (" + trouble +
-                                                      "); reconnecting");
+        if ((end.steps > 0 || end.timed_out) &&
+            log_lost(index, &lost_lines, "lost the env server (" + trouble + "); reconnecting")) {
+          announce = true;
         }
         if (end.rollouts > 0) {
           progress = Clock::now();
@@ -415,33 +408,26 @@ class ActorPool {
   // Steps one environment (or a batch) over one stream until the stream
   // breaks, and says how it ended. Throws ClosedBatchingQueue on shutdown;
   // other exceptions are fatal.
-  StreamEnd run_stream(size_t index, rpcenv::RPCEnvServer::Stub* stub, bool announce) {
+  StreamEnd run_stream(size_t index, EnvStream* stream, bool announce) {
     StreamEnd end;
-    grpc::ClientContext context;
-    if (envs_per_stream_ > 0) {
-      context.AddMetadata(kEnvsPerStreamKey, std::to_string(envs_per_stream_));
-    }
-    LiveStream live(this, index, &context);
+    LiveStream live(this, index, stream);
     live.waiting(true);  // the wait for the first Step starts with the stream
-    auto stream = stub->StreamingEnv(&context);
     auto finish = [&]() {
-      grpc::Status status = stream->Finish();
+      std::string why = stream->finish();
       double waited_s = live.cancelled_after_s();
       if (waited_s > 0) {
         end.timed_out = true;
         end.why = "no Step for " + seconds_str(waited_s) + ", more than stream_timeout_s " +
                   seconds_str(stream_timeout_.count()) + "; cancelled the stream";
-      } else if (status.ok()) {
-        end.why = "the server ended the stream";
       } else {
-        end.why = status.error_message() + ", gRPC code " + std::to_string(status.error_code());
+        end.why = why;
       }
       return end;
     };
     // The wait for a Step, the only time the stream timeout counts.
     auto next_step = [&](const rpcenv::Action* action, rpcenv::Step* step) {
       if (action) live.waiting(true);
-      bool ok = (!action || stream->Write(*action)) && stream->Read(step);
+      bool ok = (!action || stream->write(*action)) && stream->read(step);
       live.waiting(false);
       if (ok) {
         ++end.steps;
@@ -518,8 +504,8 @@ class ActorPool {
         count_.fetch_add(num_envs);
       }
     } catch (...) {  // rethrows everything, forced unwinds included
-      context.TryCancel();
-      stream->Finish();
+      stream->cancel();
+      stream->finish();
       throw;
     }
   }

@@ -1,4 +1,6 @@
-// The environment server: serves Python environments over gRPC.
+// The environment server: serves Python environments over gRPC, or, at a
+// "raw:PATH" address, over a unix socket without gRPC (raw_socket.h: the same
+// messages and the same Session, for a learner on this machine).
 //
 //   actor (client) --Action--> gRPC thread --env.step(action) (GIL)--> Python adapter
 //                  <--Step---             <-- dict(frame, reward, done, ...) --+
@@ -50,12 +52,14 @@
 #include <grpcpp/grpcpp.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
 #include <pybind11/pybind11.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -68,10 +72,12 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "nest.h"
+#include "raw_socket.h"
 #include "rpcenv.grpc.pb.h"
 #include "stream_layout.h"
 
@@ -93,6 +99,11 @@ class EnvServer {
   // address is in use or cannot be bound. Calls check_interrupt (if given)
   // every 100 ms; if it throws, the server stops and its exception is rethrown.
   void run(const std::function<void()>& check_interrupt = nullptr) {
+    if (is_raw_address(address_)) {
+      RawServing serving(this);  // listens now, or throws
+      wait_for_stop(check_interrupt, [&serving]() { serving.stop(); });
+      return;
+    }
     const std::string in_use = "EnvServer: address in use: " + address_ +
                                "; another env server listens there? stop it or pick another "
                                "address";
@@ -117,10 +128,28 @@ class EnvServer {
                                "' (address in use, bad address, or directory not writable?)");
     }
     // Streams wait on their clients; the deadline cancels them.
-    auto shutdown = [&server]() {
+    wait_for_stop(check_interrupt, [&server]() {
       server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
       server->Wait();
-    };
+    });
+  }
+
+  // Idempotent; run() returns soon after.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_requested_ = true;
+    }
+    stop_cv_.notify_all();
+  }
+
+  const std::string& address() const { return address_; }
+
+ private:
+  // Waits for stop() or an exception from check_interrupt (called every 100
+  // ms), then calls shutdown() and rethrows that exception, if any.
+  void wait_for_stop(const std::function<void()>& check_interrupt,
+                     const std::function<void()>& shutdown) {
     std::exception_ptr interrupt;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -147,18 +176,6 @@ class EnvServer {
     if (interrupt) std::rethrow_exception(interrupt);
   }
 
-  // Idempotent; run() returns soon after.
-  void stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_requested_ = true;
-    }
-    stop_cv_.notify_all();
-  }
-
-  const std::string& address() const { return address_; }
-
- private:
   // Whether something accepts a connection at `address` ("unix:PATH",
   // "unix://PATH" or "HOST:PORT"); false for an address it cannot parse.
   static bool accepts_connections(const std::string& address) {
@@ -349,6 +366,109 @@ class EnvServer {
     // Adapters replaced after errors, plus their own restarts. Only this
     // stream's gRPC thread touches it.
     int64_t restarts_ = 0;
+  };
+
+  // Serves one raw stream (raw_socket.h) on `socket`: the hello, then a Step
+  // for every Action, as StreamingEnv does over gRPC. A refusal or an error
+  // goes to the client as an error frame.
+  void serve_raw(RawSocket* socket) {
+    RawSocket::Kind kind;
+    std::string in, out;
+    if (!socket->receive(&kind, &in)) return;
+    std::optional<int64_t> envs_per_stream;
+    try {
+      if (kind != RawSocket::kHello) {
+        throw std::invalid_argument("a raw stream must open with a hello frame");
+      }
+      if (!in.empty()) envs_per_stream = parse_envs_per_stream(in);
+    } catch (const std::invalid_argument& e) {
+      log(std::string("refusing a stream: ") + e.what());
+      socket->send(RawSocket::kError, e.what());
+      return;
+    }
+    try {
+      Session session(this, envs_per_stream);
+      rpcenv::Step step;
+      session.initial(&step);
+      rpcenv::Action action;
+      while (true) {
+        step.SerializeToString(&out);
+        if (!socket->send(RawSocket::kMessage, out) || !socket->receive(&kind, &in)) break;
+        if (kind != RawSocket::kMessage || !action.ParseFromString(in)) {
+          throw std::invalid_argument("the client sent a frame that is not an Action");
+        }
+        step.Clear();
+        session.step(&action, &step);
+      }
+    } catch (const abi::__forced_unwind&) {
+      throw;  // the interpreter is exiting and ends this thread
+    } catch (const std::exception& e) {  // the factory, initial() or the client failed
+      log(std::string("ending a stream: ") + e.what());
+      socket->send(RawSocket::kError, e.what());
+    }
+  }
+
+  // The raw transport's threads: one accepts connections, one serves each
+  // (named "env-stream", where gRPC's are "grpcpp_sync_ser"). stop() cancels
+  // every connection and joins every thread.
+  class RawServing {
+   public:
+    explicit RawServing(EnvServer* server)
+        : server_(server), listener_(server->address_), accepting_([this]() { accept_loop(); }) {}
+    ~RawServing() { stop(); }
+
+    void stop() {
+      if (stopped_.exchange(true)) return;
+      accepting_.join();  // no connection is added after this
+      listener_.close();  // new clients are refused rather than left waiting
+      std::lock_guard<std::mutex> lock(mu_);
+      for (Connection& c : connections_) c.socket->cancel();
+      for (Connection& c : connections_) c.thread.join();
+      connections_.clear();
+    }
+
+   private:
+    struct Connection {
+      std::unique_ptr<RawSocket> socket;
+      std::shared_ptr<std::atomic<bool>> done;
+      std::thread thread;
+    };
+
+    void accept_loop() {
+      pthread_setname_np(pthread_self(), "env-accept");
+      while (!stopped_) {
+        RawSocket accepted = listener_.accept(100);
+        std::lock_guard<std::mutex> lock(mu_);
+        join_finished();
+        if (!accepted.valid() || stopped_) continue;
+        Connection c{std::make_unique<RawSocket>(std::move(accepted)),
+                     std::make_shared<std::atomic<bool>>(false), std::thread()};
+        c.thread = std::thread([server = server_, socket = c.socket.get(), done = c.done]() {
+          pthread_setname_np(pthread_self(), "env-stream");
+          server->serve_raw(socket);
+          *done = true;
+        });
+        connections_.push_back(std::move(c));
+      }
+    }
+
+    void join_finished() {  // mu_ held
+      for (auto it = connections_.begin(); it != connections_.end();) {
+        if (*it->done) {
+          it->thread.join();
+          it = connections_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+
+    EnvServer* server_;
+    RawListener listener_;
+    std::atomic<bool> stopped_{false};
+    std::mutex mu_;
+    std::vector<Connection> connections_;  // GUARDED_BY(mu_)
+    std::thread accepting_;  // last: starts once the rest is ready
   };
 
   class Service final : public rpcenv::RPCEnvServer::Service {

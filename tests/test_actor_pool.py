@@ -193,9 +193,9 @@ class Pool:
     def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None,
                  extras=False, flaky=False, env_keys=ENV_KEYS, addresses=None,
                  unroll_length=UNROLL_LENGTH, stream_timeout_s=30.0, inference_delay_s=0.0,
-                 learner_queue_size=8, collecting=True):
+                 learner_queue_size=8, collecting=True, scheme="unix"):
         self.servers = [] if addresses is not None else [
-            Server(i, f"unix:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
+            Server(i, f"{scheme}:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
             for i in range(num_servers)]
         addresses = addresses or [s.address for s in self.servers]
         self.learner_queue = BatchingQueue(batch_dim=1, minimum_batch_size=1,
@@ -310,8 +310,9 @@ def check_overlap(previous, following):
         np.testing.assert_array_equal(previous[key][-1], following[key][0], err_msg=key)
 
 
-def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path):
-    pool = Pool(tmp_path)
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
+def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path, scheme):
+    pool = Pool(tmp_path, scheme=scheme)
     try:
         pool.wait_for(lambda rs: all(len(g) >= 4 for g in by_instance(rs).values())
                       and len(by_instance(rs)) == 2, "4 rollouts from each server")
@@ -367,10 +368,11 @@ def test_actor_threads_are_named_by_their_index(tmp_path):
     assert names.count("actor-0") == 1 and names.count("actor-1") == 1, names
 
 
-def test_batched_streams_give_one_rollout_per_environment(tmp_path):
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
+def test_batched_streams_give_one_rollout_per_environment(tmp_path, scheme):
     """Servers with 3 environments per stream: the learner queue still gets [T+1, 1] rollouts,
     one sequence per environment, each as consistent as a single-environment stream's."""
-    pool = Pool(tmp_path, envs_per_stream=3)
+    pool = Pool(tmp_path, envs_per_stream=3, scheme=scheme)
     try:
         pool.wait_for(lambda rs: len(by_instance(rs)) == 6 and
                       all(len(g) >= 3 for g in by_instance(rs).values()),
@@ -393,8 +395,9 @@ def test_batched_streams_give_one_rollout_per_environment(tmp_path):
             check_overlap(previous, following)
 
 
-def test_server_restart_does_not_break_rollouts(tmp_path, capfd):
-    pool = Pool(tmp_path)
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
+def test_server_restart_does_not_break_rollouts(tmp_path, scheme, capfd):
+    pool = Pool(tmp_path, scheme=scheme)
     try:
         pool.wait_for(lambda rs: len(by_instance(rs)) == 2 and
                       all(len(g) >= 2 for g in by_instance(rs).values()), "rollouts from both")
@@ -425,8 +428,9 @@ def test_server_restart_does_not_break_rollouts(tmp_path, capfd):
     assert "lost the env server" in err and "reconnected" in err
 
 
-def test_pool_close_ends_run(tmp_path):
-    pool = Pool(tmp_path)
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
+def test_pool_close_ends_run(tmp_path, scheme):
+    pool = Pool(tmp_path, scheme=scheme)
     try:
         pool.wait_for(lambda rs: len(rs) >= 1, "a rollout")
         pool.pool.close()
@@ -438,8 +442,9 @@ def test_pool_close_ends_run(tmp_path):
         pool.shutdown()
 
 
-def test_unreachable_server_fails_run_naming_the_address(tmp_path):
-    address = f"unix:{tmp_path}/nobody.sock"
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
+def test_unreachable_server_fails_run_naming_the_address(tmp_path, scheme):
+    address = f"{scheme}:{tmp_path}/nobody.sock"
     learner_queue = BatchingQueue(batch_dim=1)
     batcher = DynamicBatcher(batch_dim=1)
     pool = ActorPool(unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
@@ -704,15 +709,16 @@ slow = SlowFinalization()
 """
 
 
+@pytest.mark.parametrize("scheme", ["unix", "raw"], ids=["grpc", "raw"])
 @pytest.mark.parametrize("kind", ["ActorPool", "EnvServer"])
-def test_interpreter_exit_during_run_does_not_abort(tmp_path, kind):
+def test_interpreter_exit_during_run_does_not_abort(tmp_path, kind, scheme):
     """run() in a daemon thread when the interpreter exits: the forced unwind that ends the
     thread as it takes the GIL passes every catch (...) ("FATAL: exception not rethrown"
     otherwise) and the GIL guard of the binding (which would abort taking the GIL again)."""
     import subprocess
     import sys
 
-    code = EXIT_DURING_RUN.format(kind=kind, address=f"unix:{tmp_path}/env.sock")
+    code = EXIT_DURING_RUN.format(kind=kind, address=f"{scheme}:{tmp_path}/env.sock")
     result = subprocess.run([sys.executable, "-c", code], cwd=pathlib.Path(__file__).parent.parent,
                             capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
