@@ -2,7 +2,8 @@
 
 Data path:
   env servers (python -m polybeast_env; started here unless --no_start_servers)
-    --gRPC streams--> libpolybeast.ActorPool (one C++ actor thread per stream)
+    --streams (gRPC; raw: to the servers started here)--> libpolybeast.ActorPool
+         (one C++ actor thread per stream)
     --compute((env_outputs, agent_state))--> inference_batcher --> inference threads
          (the acting model on [T=1, B, ...] batches; answer (agent_outputs, agent_state))
     --every unroll_length steps: (rollout [T+1, 1, ...], initial agent state) per
@@ -89,7 +90,7 @@ def make_parser():
 def _add_server_flags(parser):
     """Where the env servers are, how many, and how their streams are laid out."""
     parser.add_argument("--num_actors", type=int, default=None,
-                        help="Actor threads, one gRPC stream each (a stream carries "
+                        help="Actor threads, one env server stream each (a stream carries "
                              "--envs_per_stream environments); also the number of env servers "
                              f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}; "
                              "one per address of --server_addresses).")

@@ -9,7 +9,8 @@ servers, actor processes) from /proc, waits --window_s, reads again, and stops t
 Prints the SPS over the window (from logs.csv), and for each role and thread name the cores
 it kept busy and its core-microseconds per environment step. The runs name their threads
 (learner-<i>, inference-<i>, PolyBeast's C++ actor-<i> threads, MonoBeast's actor-<i>
-processes; the env servers' stepping runs in gRPC's grpcpp_sync_ser threads), and threads
+processes; the env servers' stepping runs in their env-stream threads, or in gRPC's
+grpcpp_sync_ser threads with --local_transport grpc), and threads
 of one name add up. The sum against the machine's cores is
 the idle share: a run that keeps 1.5 of 2 cores busy is waiting on something (a round
 trip, a queue, a lock) for a quarter of the machine, which no faster kernel fixes.

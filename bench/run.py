@@ -59,12 +59,17 @@ def workloads():
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
           ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
+        # The same over gRPC instead of the raw transport (README, "The raw transport").
+        W("poly-pong-grpc", "polybeast", "ALE/Pong-v5", "repo defaults, gRPC to local servers",
+          ["--local_transport", "grpc"]),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
+        W("poly-cartpole-grpc", "polybeast", "CartPole-v1", "repo defaults, gRPC to local servers",
+          ["--local_transport", "grpc"]),
         # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
         # MinAtar paper's one-conv net, which does a fraction of its work per frame.
         W("mono-minatar", "monobeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),

@@ -356,7 +356,7 @@ def test_split_host_port_rejects(address):
 
 
 @pytest.mark.parametrize("address, loopback", [
-    ("unix:/tmp/x", True), ("localhost:4000", True), ("127.0.0.1:4000", True),
+    ("unix:/tmp/x", True), ("raw:/tmp/x", True), ("localhost:4000", True), ("127.0.0.1:4000", True),
     ("127.8.9.1:4000", True), ("[::1]:4000", True), ("tcp:127.0.0.1:4000", True),
     ("0.0.0.0:4000", False), ("tcp:10.0.0.2:4000", False), ("example.com:80", False),
 ])
@@ -374,12 +374,15 @@ def test_parse_address_list():
         " unix:/tmp/a.0, localhost:4000,tcp:10.0.0.2:4001,[::1]:9 ,") == [
         "unix:/tmp/a.0", "localhost:4000", "10.0.0.2:4001", "[::1]:9"]
     assert beast_flags.parse_address_list("unix:/tmp/a") == ["unix:/tmp/a"]
+    assert beast_flags.parse_address_list("raw:/tmp/a.0,raw:/tmp/a.1") == [
+        "raw:/tmp/a.0", "raw:/tmp/a.1"]
 
 
 @pytest.mark.parametrize("text, named", [
     ("unix:/tmp/a,nohost", "'nohost'"),
     ("localhost:4000,localhost:x", "'localhost:x'"),
     ("unix:", "'unix:'"),
+    ("raw:/tmp/a,raw:", "'raw:'"),
     ("/tmp/socket", "'/tmp/socket'"),
     ("", "no address"),
     (" , ,", "no address"),

@@ -264,18 +264,36 @@ def test_envpool_servers_with_several_environments_per_stream(tmp_path):
     assert checkpoint_step(run_dir) == 1440
 
 
+def server_commands(pids):
+    """The command lines of the processes that still run."""
+    commands = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                commands.append(f.read().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return commands
+
+
 @pytest.mark.timeout(300)
-def test_sigterm_stops_everything_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("transport", ["raw", "grpc"])
+def test_sigterm_stops_everything_and_checkpoints(tmp_path, transport):
+    """Also: the servers started here listen at raw:PATH unless --local_transport grpc."""
     run_dir = tmp_path / "runs" / "run"
     process = start(tmp_path, "learner", *polybeast_args(
         tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
-        "--log_interval_steps", "500", "--checkpoint_interval_s", "100000"))
+        "--log_interval_steps", "500", "--checkpoint_interval_s", "100000",
+        "--local_transport", transport))
     try:
         wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
                  lambda: output(tmp_path, "learner"))
         socket_dirs = glob.glob(str(tmp_path / f"polybeast-{process.pid}-*"))
         assert len(socket_dirs) == 1, "the run makes its socket directory under TMPDIR"
         servers = descendants(process.pid)
+        scheme = {"raw": "raw:", "grpc": "unix:"}[transport]
+        assert any(f"--pipes_basename {scheme}{socket_dirs[0]}/env" in command
+                   for command in server_commands(servers)), server_commands(servers)
         assert len(servers) >= 3, "polybeast_env and its two servers"
         assert not (run_dir / "model.tar").exists()
         process.send_signal(signal.SIGTERM)
@@ -398,10 +416,11 @@ def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_env_server_killed_and_restarted(tmp_path):
+@pytest.mark.parametrize("scheme", ["unix", "raw"])
+def test_env_server_killed_and_restarted(tmp_path, scheme):
     """With a single env server, training can only finish if the actors reconnect to it."""
     server_args = ["polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
-                   "--pipes_basename", f"unix:{tmp_path}/env"]
+                   "--pipes_basename", f"{scheme}:{tmp_path}/env"]
     socket = tmp_path / "env.0"
     run_dir = tmp_path / "runs" / "run"
     server = start(tmp_path, "server", *server_args)
@@ -410,7 +429,7 @@ def test_env_server_killed_and_restarted(tmp_path):
         wait_for(socket.exists, "the env server's socket", server,
                  lambda: output(tmp_path, "server"))
         learner = start(tmp_path, "learner", *polybeast_args(
-            tmp_path, "--env", "CartPole-v1", "--server_addresses", f"unix:{socket}",
+            tmp_path, "--env", "CartPole-v1", "--server_addresses", f"{scheme}:{socket}",
             "--num_actors", "2", "--batch_size", "4", "--unroll_length", "20",
             "--total_steps", "20000", "--log_interval_steps", "400"))
         wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", learner,
