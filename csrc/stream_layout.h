@@ -4,6 +4,9 @@
 //   ActorPool(envs_per_stream=N) --gRPC metadata "envs-per-stream: N"--> EnvServer
 //                                                  --> env_factory(N) (no header: env_factory())
 //
+// (On the raw transport, raw_socket.h, the request is the hello frame's text
+// "N", empty for none.)
+//
 // Metadata, not a message: TorchBeast's servers ignore it, and TorchBeast's
 // actors send none, so they keep getting one environment per stream and
 // TorchBeast's single-environment wire format. Also: the names of a Dict
