@@ -28,6 +28,7 @@ import torch
 from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
+from beast import rollout
 from beast import training
 from beast import vector_envs
 
@@ -96,7 +97,7 @@ class Sampler:
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
         self.state_buffers = state_buffers
         self.error_count = error_count
-        self.agent_keys = schema.names("agent")
+        self.model_keys = schema.model_names()
         self.envs = vector_envs.create_vector_env(flags, num_envs, seed,
                                                   on_error=self._count_error, name=name)
         # The group's current step, [k, ...] numpy arrays; torch views share them.
@@ -123,9 +124,13 @@ class Sampler:
     def _act(self):
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
         self.state_before = self.agent_state
+        # Before the forward pass: the learner may write newer weights during it.
+        weights_step = training.weights_step(self.model)
         with torch.no_grad():
             output, self.agent_state = self.model(inputs, self.agent_state)
-        return {k: output[k][0].numpy() for k in self.agent_keys}
+        agent_output = {k: output[k][0].numpy() for k in self.model_keys}
+        agent_output[rollout.POLICY_STEP.name] = np.full(self.num_envs, weights_step, np.int64)
+        return agent_output
 
     def _write(self, t, indices):
         for key, value in self.current.items():
@@ -354,6 +359,7 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
                                  give_up=lambda: os.getppid() != learner_pid):
                 return
             model.load_state_dict(shared_model.state_dict())
+            model.weights_step.copy_(shared_model.weights_step)
             lockstep.advance(lockstep.taken, actor_index, k + 1)
             indices = lockstep.round_buffers(actor_index, k)
             sampler.unroll(indices)

@@ -446,9 +446,13 @@ def inference(index, inference_batcher, models, schema, device, torch_threads=1)
         check_env_outputs(schema, env_outputs)
         inputs = {k: to_torch(v, device) for k, v in env_outputs.items()}
         state = tuple(to_torch(s, device) for s in agent_state)
+        # Before the forward pass: the learner may write newer weights meanwhile.
+        weights_step = training.weights_step(models)
         outputs, state = models.forward(index, inputs, state)
         # The only device-to-host copy (and sync point) of an inference step.
         agent_outputs = {k: v.cpu().numpy() for k, v in outputs.items()}
+        agent_outputs[rollout.POLICY_STEP.name] = np.full(
+            env_outputs["reward"].shape, weights_step, np.int64)
         batch.set_outputs((agent_outputs, tuple(s.cpu().numpy() for s in state)))
 
 

@@ -102,6 +102,13 @@ CORE_FIELDS = (
 )
 CORE_NAMES = tuple(f.name for f in CORE_FIELDS)
 
+# Written by the acting code, not the model: which weights acted. The learner logs how far
+# behind its own they were (policy_lag in logs.csv, beast/training.py): the off-policyness
+# that V-trace corrects for, which grows with the environments in flight and the queues.
+POLICY_STEP = Field("policy_step", np.int64, (), AGENT,
+                    "the learner's step counter when the weights that chose action[t] were "
+                    "written (read just before the forward pass)")
+
 # A Box action space of shape [A] changes the action fields: actions are float vectors, and
 # the behaviour policy is a diagonal Gaussian (beast/models.py) whose parameters replace
 # policy_logits. The agent acts in [-1, 1] per dimension, which the environment side maps to
@@ -230,8 +237,14 @@ class Schema:
 
     @classmethod
     def of(cls, env_fields, model, num_actions, continuous=False):
-        """The schema of a run: the environment's fields and what `model` returns."""
-        return cls(tuple(env_fields) + agent_fields(model, env_fields), num_actions, continuous)
+        """The schema of a run: the environment's fields, what `model` returns and
+        POLICY_STEP."""
+        return cls(tuple(env_fields) + agent_fields(model, env_fields) + (POLICY_STEP,),
+                   num_actions, continuous)
+
+    def model_names(self):
+        """The agent fields that the model's forward returns (all but POLICY_STEP)."""
+        return tuple(n for n in self.names(AGENT) if n != POLICY_STEP.name)
 
     def _check_core(self, num_actions):
         for core in core_fields(self.continuous):

@@ -215,7 +215,15 @@ class Learner:
         if self.ranks.is_distributed:
             # The same starting weights on every rank, whatever its seed.
             model.load_state_dict(self.ranks.share(self.weights()))
-        acting_model.load_state_dict(model.state_dict())
+        # The step of the acting model's weights (rollout.POLICY_STEP), beside its
+        # state_dict so that checkpoints do not change; shared with MonoBeast's actors.
+        acting_model.weights_step = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._publish()
+
+    def _publish(self):
+        """The new weights to the acting model, then their step."""
+        self.acting_model.load_state_dict(self.model.state_dict())
+        self.acting_model.weights_step.fill_(self.step)
 
     def update(self, batch, initial_agent_state):
         """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
@@ -231,12 +239,15 @@ class Learner:
             average = self.ranks.average_gradients if self.ranks.is_distributed else None
             stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
                                        batch, initial_agent_state, average)
-            self.step += self.flags.unroll_length * self.flags.batch_size * self.ranks.world_size
+            steps_per_update = (self.flags.unroll_length * self.flags.batch_size *
+                                self.ranks.world_size)
+            stats["policy_lag"] = policy_lag(batch, self.step, steps_per_update)
+            self.step += steps_per_update
             if stats["skipped_update"]:
                 self._skipped(stats)
             else:
                 self.skipped_in_a_row = 0
-                self.acting_model.load_state_dict(self.model.state_dict())
+                self._publish()
             stats["skipped_updates"] = self.skipped_updates
             stats["learning_rate"] = self.scheduler.get_last_lr()[0]
             return self.step, stats
@@ -261,6 +272,21 @@ class Learner:
                         optimizer_state_dict=self.optimizer.state_dict(),
                         scheduler_state_dict=self.scheduler.state_dict(),
                         step=self.step)
+
+
+def weights_step(acting_model):
+    """The learner step of the acting model's weights (Learner._publish); 0 for a model that
+    no learner writes to."""
+    step = getattr(acting_model, "weights_step", None)
+    return 0 if step is None else int(step)
+
+
+def policy_lag(batch, step, steps_per_update):
+    """How many updates older than the learner's weights at `step` the weights that acted in
+    `batch` were, on average over its T transitions (the last of the T+1 steps only
+    bootstraps). 0 when every action came from the newest weights."""
+    acted = batch[rollout.POLICY_STEP.name][:-1].double().mean().item()
+    return (step - acted) / steps_per_update
 
 
 class TrainingStats:

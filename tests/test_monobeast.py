@@ -184,9 +184,15 @@ def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
 
 
 def test_serial_mode(tmp_path):
+    """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
+    newest weights, except its step 0, which is the previous unroll's last step, acted before
+    the last update: 1 of T steps one update behind, lag 1/T (0 at the first update)."""
     run_monobeast(tmp_path, "--xpid", "serial", "--num_actors", 0, "--total_steps", 3000,
-                  "--log_interval_steps", 1000)
-    assert int(read_logs(tmp_path / "serial")[-1]["step"]) >= 3000
+                  "--unroll_length", 20, "--batch_size", 4, "--log_interval_steps", 80)
+    rows = read_logs(tmp_path / "serial")
+    assert int(rows[-1]["step"]) >= 3000
+    lags = [float(row["policy_lag"]) for row in rows]
+    assert lags[0] == 0 and lags[1:] == pytest.approx([1 / 20] * (len(lags) - 1)), lags
 
 
 @pytest.mark.parametrize("num_actors", [0, 2], ids=["serial", "actors"])

@@ -221,6 +221,8 @@ def test_learns_cartpole(tmp_path):
         f"last step {rows[-1]['step']:.0f}")
     assert process.returncode == 0, output(tmp_path, "learner")
     assert checkpoint_step(run_dir) >= rows[-1]["step"]
+    # The inference threads say which weights acted: never newer than the learner's.
+    assert all(0 <= row["policy_lag"] < 100 for row in rows), [r["policy_lag"] for r in rows]
 
 
 @pytest.mark.timeout(600)

@@ -93,7 +93,10 @@ def cartpole_fields():
 def test_schema_of_a_model_lists_every_output():
     schema = rollout.Schema.of(cartpole_fields(), AuxMLP((4,), 2), num_actions=2)
     assert schema.names("env") == rollout.CORE_NAMES[:8]
-    assert schema.names("agent") == ("policy_logits", "baseline", "action", "aux")
+    assert schema.model_names() == ("policy_logits", "baseline", "action", "aux")
+    # The acting code adds which weights acted; the model does not return it.
+    assert schema.names("agent") == schema.model_names() + ("policy_step",)
+    assert schema.fields["policy_step"].dtype == np.int64
     assert schema.fields["aux"].shape == (2,) and schema.fields["aux"].dtype == np.float32
     zeros = schema.zeros((3, 5))
     assert zeros["policy_logits"].shape == (3, 5, 2) and zeros["done"].dtype == np.bool_

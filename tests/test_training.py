@@ -52,6 +52,47 @@ def test_rows_carry_the_largest_gradient_norm_since_the_previous_row():
     assert [row["grad_norm_max"] for _, row in logger.rows] == [900.0, 7.0, 3.0]
 
 
+# What Learner needs of the flags, for a small MLP on [4] observations.
+TINY_LEARNER_FLAGS = dict(
+    model="mlp", hidden_size=8, use_lstm=False, discounting=0.99, reward_clipping="none",
+    reward_scale=1.0, baseline_cost=0.5, entropy_cost=0.01, grad_norm_clipping=40.0,
+    precision="fp32", learning_rate=0.001, momentum=0.0, epsilon=0.01, alpha=0.99,
+    lr_warmup_steps=0)
+
+
+def test_policy_lag_counts_updates_between_acting_and_learning():
+    """T=3, B=2, 6 steps per update, learner at step 60: the weights of step 60 acted with
+    lag 0, those of step 48 with lag 2; the bootstrap step (index T) does not count."""
+    policy_step = torch.tensor([[60, 48], [60, 48], [54, 60], [0, 0]])
+    lag = training.policy_lag({"policy_step": policy_step}, step=60, steps_per_update=6)
+    assert lag == pytest.approx((0 + 2 + 0 + 2 + 1 + 0) / 6)
+
+
+def test_the_acting_model_learns_the_step_of_its_weights():
+    """Learner.update publishes the weights and then their step; a model that no learner
+    writes to reads as step 0."""
+    flags = argparse.Namespace(unroll_length=2, batch_size=1, total_steps=100,
+                               **TINY_LEARNER_FLAGS)
+    model, acting = (models.create_model(flags, (4,), 2) for _ in range(2))
+    assert training.weights_step(acting) == 0
+    learner = training.Learner(flags, model, acting)
+    assert training.weights_step(acting) == 0
+    T, B = 2, 1
+    batch = dict(frame=torch.zeros(T + 1, B, 4), reward=torch.zeros(T + 1, B),
+                 done=torch.zeros(T + 1, B, dtype=torch.bool),
+                 truncated=torch.zeros(T + 1, B, dtype=torch.bool),
+                 policy_logits=torch.zeros(T + 1, B, 2), baseline=torch.zeros(T + 1, B),
+                 action=torch.zeros(T + 1, B, dtype=torch.int64),
+                 last_action=torch.zeros(T + 1, B, dtype=torch.int64),
+                 policy_step=torch.zeros(T + 1, B, dtype=torch.int64))
+    for update in range(3):
+        step, stats = learner.update(batch, model.initial_state(B))
+        assert step == training.weights_step(acting) == 2 * (update + 1)
+        assert stats["policy_lag"] == update  # every batch acted with the first weights
+    for name, value in model.state_dict().items():
+        assert torch.equal(acting.state_dict()[name], value), name
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names: Linux only")
 def test_run_threads_carry_their_name_as_os_thread_name():
     """So that top -H, py-spy and bench.cpushare can tell the learner from inference."""
