@@ -173,13 +173,17 @@ def drop_superseded(rows):
     """The rows of logs.csv in time order, without those a resume made stale.
 
     A resumed run goes back to its checkpoint's step and appends; the earlier start's rows
-    past that step describe training that was thrown away, and the first smaller step
-    shows where. Rows at the same step (an evaluation row beside a training row) both stay.
+    past that step describe training that was thrown away, and the first training row with a
+    smaller step shows where. Evaluation rows cannot show it: each is written when its
+    evaluation ends, at the step of its snapshot, which training may have passed long before
+    (the whole run, on CartPole). Rows at the same step both stay.
     """
-    kept = []
+    kept, last_training_step = [], -math.inf
     for row in rows:
-        while kept and kept[-1]["step"] > row["step"]:
-            kept.pop()
+        if not _finite(row, "eval_mean_episode_return"):
+            if row["step"] < last_training_step:
+                kept = [r for r in kept if r["step"] <= row["step"]]
+            last_training_step = row["step"]
         kept.append(row)
     return kept
 

@@ -222,6 +222,14 @@ def test_read_curve_final_eval_superseded_rows_and_wall_time(tmp_path):
     assert curve.steps == [20, 40] and curve.returns == [6.0, 9.0]
     assert curve.final_return == 9.0 and curve.eval_return == 60.0 and curve.last_step == 40
     assert curve.wall_s == pytest.approx((120.5 - 95.0) + (511.0 - 490.0))
+    # Evaluation rows come when their evaluation ends, at their snapshot's step, possibly
+    # after training rows of later steps: they do not look like a resume.
+    late = write_logs(tmp_path / "late", [
+        (1.0, 10, 3.0, None), (2.0, 20, 5.0, None), (3.0, 30, 8.0, None),
+        (4.0, 10, None, 40.0), (5.0, 20, None, 70.0)], header)
+    curve = learn.read_curve(str(late))
+    assert curve.steps == [10, 20, 30] and curve.final_return == 8.0
+    assert curve.eval_return == 70.0 and curve.last_step == 30
     # Without meta.json the first row stands for the start, and nothing is stale.
     os.remove(run / "meta.json")
     os.remove(run / "meta.json.1")
