@@ -135,6 +135,16 @@ class Curve:
     last_step: float = math.nan  # the largest step logged
     wall_s: float = math.nan
     eval_return: float = math.nan  # the last eval_mean_episode_return
+    # Offline evaluations (--eval_interval_steps) by the step of their snapshot, in step order.
+    eval_steps: list = dataclasses.field(default_factory=list)
+    eval_returns: list = dataclasses.field(default_factory=list)
+
+    def first_at(self, threshold, evaluation=False):
+        """The first step where the training curve (or, with evaluation, an offline
+        evaluation of that step's weights) reached threshold; None if none did."""
+        steps, values = ((self.eval_steps, self.eval_returns) if evaluation
+                         else (self.steps, self.returns))
+        return next((s for s, v in zip(steps, values) if v >= threshold), None)
 
     @property
     def final_return(self):
@@ -241,7 +251,10 @@ def read_curve(path):
         if _finite(row, "mean_episode_return"):  # nan until the first episode ends
             points[row["step"]] = row["mean_episode_return"]  # the later of equal steps
     evals = [r["eval_mean_episode_return"] for r in rows if _finite(r, "eval_mean_episode_return")]
+    by_step = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
+                      if _finite(r, "eval_mean_episode_return")}.items())
     return Curve(steps=list(points), returns=list(points.values()),
+                 eval_steps=[s for s, _ in by_step], eval_returns=[v for _, v in by_step],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
                                   start_times(path)),
@@ -336,12 +349,29 @@ def finished(result):
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "collapses", "falls", "steps reached", "wall time per run", "SPS",
-                "eval return", "published reference"]
+                "failures", "collapses", "falls", "steps to solved (median)", "steps reached",
+                "wall time per run", "SPS", "eval return", "published reference"]
 
 
-def table_row(variant, results, curves, reference):
-    """One variant's cells: results and curves are per seed, in the same order."""
+def fmt_steps_to(curves, threshold):
+    """The median step at which the seeds' training curves, and their evaluations where the
+    runs evaluated, first reached threshold, with how many seeds did; "—" without one."""
+    if threshold is None:
+        return "—"
+    parts = []
+    for name, evaluation in (("training", False), ("evaluation", True)):
+        seeds = [c for c in curves if c is not None and (c.eval_steps if evaluation else True)]
+        if not seeds:
+            continue
+        reached = [s for s in (c.first_at(threshold, evaluation) for c in seeds) if s is not None]
+        median = f"{statistics.median(reached) / 1e6:.2f}M " if reached else ""
+        parts.append(f"{name} {median}({len(reached)}/{len(seeds)})")
+    return ", ".join(parts) or "—"
+
+
+def table_row(variant, results, curves, reference, threshold=None):
+    """One variant's cells: results and curves are per seed, in the same order; threshold:
+    the return that counts as solved, if the env has one."""
     finals = spread([c.final_return if c else math.nan for c in curves])
     final_text = fmt_spread(finals, RETURN_DIGITS)
     if 0 < finals.n < len(results):  # some seed has not finished an episode
@@ -353,7 +383,7 @@ def table_row(variant, results, curves, reference):
     return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
             f"{sum(map(finished, results))}/{len(results)}",
             str(sum(r.status == "failed" for r in results)), fmt_collapses(curves),
-            fmt_falls(curves), steps_text,
+            fmt_falls(curves), fmt_steps_to(curves, threshold), steps_text,
             fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
@@ -425,12 +455,14 @@ def plot_env(env, curves_by_variant, path, points=200):
 def env_section(env, variants, by_run, plot_path, link, points=200):
     """The markdown of one env: its table, its figure, its failures and its reference."""
     reference = SUITE[env].reference if env in SUITE else None
+    threshold = solved_threshold(env)
     rows, curves_by_variant, failures = [], {}, []
     for variant in variants:
         runs = [by_run[key] for key in by_run if key[:2] == (env, variant)]
         results = [result for result, _ in runs]
         curves_by_variant[variant] = [curve for _, curve in runs]
-        rows.append(table_row(variant, results, curves_by_variant[variant], reference))
+        rows.append(table_row(variant, results, curves_by_variant[variant], reference,
+                              threshold))
         failures += [r for r in results if r.status in ("failed", "stopped", "not run")]
     plot_env(env, curves_by_variant, plot_path, points)
     lines = [f"## {env}", "", markdown_table(TABLE_HEADER, rows), "",
@@ -439,7 +471,6 @@ def env_section(env, variants, by_run, plot_path, link, points=200):
         lines.append("Not finished (stderr.txt and launch.json in each run folder say more):")
     for r in failures:
         lines.append(f"- `{r.spec.xpid}`: {r.status}" + (f": {r.short_error}" if r.error else ""))
-    threshold = solved_threshold(env)
     if reference or threshold is not None:
         lines += ["", "Reference:"]
     if reference:
@@ -462,7 +493,12 @@ HOW_TO_READ = (
     "half of the best it had reached (the first such fall of each: from the best to the low, "
     "at the step it happened); counted only for positive final returns. Falls: every such "
     "fall of every seed, a fall counting again only after the curve is back at 90% of its "
-    "best; the total, the mean per seed, and the seeds with at least one.")
+    "best; the total, the mean per seed, and the seeds with at least one. Steps to solved "
+    "(envs with a Gymnasium reward_threshold): the median over the seeds that got there of "
+    "the first step where the training curve reached it, and, for runs with evaluations, "
+    "where an evaluation of that step's weights did; (n/m) seeds got there. The training "
+    "curve reports policies from further back the more environments a run has in flight "
+    "(its episodes started earlier), so compare layouts by the evaluations.")
 
 
 def report(args, argv, results, plot_dir, link_base):

@@ -230,6 +230,7 @@ def test_read_curve_final_eval_superseded_rows_and_wall_time(tmp_path):
     curve = learn.read_curve(str(late))
     assert curve.steps == [10, 20, 30] and curve.final_return == 8.0
     assert curve.eval_return == 70.0 and curve.last_step == 30
+    assert curve.eval_steps == [10, 20] and curve.eval_returns == [40.0, 70.0]
     # Without meta.json the first row stands for the start, and nothing is stale.
     os.remove(run / "meta.json")
     os.remove(run / "meta.json.1")
@@ -275,6 +276,27 @@ def test_table_row_counts_finished_seeds_and_failures():
     assert cell(row, "wall time per run") == "15.0 s" and cell(row, "eval return") == "n/a"
     assert cell(row, "SPS") == "8"  # the mean of 100 / 10 and 120 / 20
     assert cell(row, "collapses") == "0"
+    assert cell(row, "steps to solved (median)") == "—"  # no threshold given
+
+
+def test_steps_to_solved_by_training_curve_and_by_evaluation():
+    k = 100_000
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=4 * k)
+    results = [launch.RunResult(spec, "done", steps=4 * k, target=4 * k)] * 3
+    steps = [k, 2 * k, 3 * k, 4 * k]
+    curves = [learn.Curve(steps, [10.0, 480.0, 300.0, 490.0], 4 * k, 1.0,
+                          eval_steps=[k, 2 * k], eval_returns=[476.0, 500.0]),
+              learn.Curve(steps, [10.0, 20.0, 30.0, 475.0], 4 * k, 1.0,
+                          eval_steps=[k, 3 * k], eval_returns=[20.0, 475.0]),
+              learn.Curve(steps[:2], [1.0, 2.0], 2 * k, 1.0)]  # never solved, no evaluations
+    row = learn.table_row("monobeast", results, curves, None, threshold=475)
+    # Training: 0.2M and 0.4M (2 of 3 seeds); evaluation: 0.1M and 0.3M (both that evaluated).
+    assert cell(row, "steps to solved (median)") == (
+        "training 0.30M (2/3), evaluation 0.20M (2/2)")
+    assert curves[0].first_at(475) == 2 * k and curves[1].first_at(475) == 4 * k
+    assert curves[0].first_at(475, evaluation=True) == k
+    assert curves[1].first_at(475, evaluation=True) == 3 * k
+    assert curves[2].first_at(475) is None
 
 
 def curve(returns):
