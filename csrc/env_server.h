@@ -39,7 +39,9 @@
 // keepalive: a client with open streams is pinged every keepalive_s, and one
 // that does not answer within keepalive_s is dropped, ending its streams and
 // closing their environments. A live client that is slow to send its next
-// Action (a busy learner) answers pings, and is waited for.
+// Action (a busy learner) answers pings, and is waited for. On a raw: address
+// the client is on this machine: when it dies its socket closes, which ends
+// the stream at once, so keepalive_s does not apply there.
 //
 // gRPC threads take the GIL only around Python calls and drop every Python
 // object while holding it. Stop the server (stop() / leaving run()) before

@@ -25,10 +25,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace beast {
 
@@ -209,7 +211,13 @@ class RawListener {
   RawSocket accept(int timeout_ms) {
     pollfd p{fd_, POLLIN, 0};
     if (::poll(&p, 1, timeout_ms) != 1) return RawSocket(-1);
-    return RawSocket(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));
+    int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0 && errno != EINTR && errno != ECONNABORTED) {
+      // Out of file descriptors or memory: the connection stays pending and
+      // poll() says so at once; wait rather than spin.
+      std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+    }
+    return RawSocket(fd);
   }
 
  private:
