@@ -421,6 +421,11 @@ def markdown_table(header, rows):
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def evaluation_curves(curves):
+    """The offline evaluations of each curve that has any, as Curves of their own."""
+    return [Curve(c.eval_steps, c.eval_returns, c.last_step) for c in curves if c.eval_steps]
+
+
 def plot_env(env, curves_by_variant, path, points=200):
     """One PNG: per variant, the mean line and min-max band over seeds against steps."""
     import matplotlib
@@ -439,11 +444,18 @@ def plot_env(env, curves_by_variant, path, points=200):
                         label=f"{variant} (mean of {len(seeds)} seed{'s' * (len(seeds) > 1)})")
         ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
         drawn += 1
+        # The policy itself, where the runs evaluated it: the mean over seeds of each
+        # snapshot's evaluation, at the snapshot's step (no band: a few episodes each).
+        evaluated = evaluation_curves(seeds)
+        grid, mean, _, _ = band(evaluated, points)
+        if len(grid):
+            ax.plot(grid, mean, linestyle="--", color=line.get_color(),
+                    label=f"{variant}, evaluations (mean of {len(evaluated)})")
     if not drawn:
         ax.text(0.5, 0.5, "no episode has finished yet", ha="center", transform=ax.transAxes)
     ax.set_title(f"{env}: band = min – max over seeds")
     ax.set_xlabel("environment steps")
-    ax.set_ylabel("mean return, last 100 episodes")
+    ax.set_ylabel("mean return: last 100 training episodes\n(dashed: evaluations)")
     ax.grid(alpha=0.3)
     if drawn:
         ax.legend()
@@ -488,7 +500,8 @@ HOW_TO_READ = (
     "min – max over seeds. Wall time: mean over seeds, each run from its start to its last "
     "row, summed over resumes. Eval return: the last `eval_mean_episode_return` (only with "
     "`--eval_interval_steps`). Curves: each seed interpolated linearly on a common step grid "
-    "(the range all seeds cover); line = mean over seeds, band = min – max over seeds. "
+    "(the range all seeds cover); line = mean over seeds, band = min – max over seeds; a "
+    "dashed line, for runs with evaluations, is the mean of their evaluations. "
     "Collapses: seeds whose 100-episode mean, once past half of its final value, fell below "
     "half of the best it had reached (the first such fall of each: from the best to the low, "
     "at the step it happened); counted only for positive final returns. Falls: every such "

@@ -297,6 +297,9 @@ def test_steps_to_solved_by_training_curve_and_by_evaluation():
     assert curves[0].first_at(475, evaluation=True) == k
     assert curves[1].first_at(475, evaluation=True) == 3 * k
     assert curves[2].first_at(475) is None
+    evaluated = learn.evaluation_curves(curves)  # the third run never evaluated
+    assert [(c.steps, c.returns) for c in evaluated] == [
+        ([k, 2 * k], [476.0, 500.0]), ([k, 3 * k], [20.0, 475.0])]
 
 
 def curve(returns):
