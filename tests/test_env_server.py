@@ -454,7 +454,7 @@ ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_s
 
 
 def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0,
-                     envs_per_stream=0):
+                     envs_per_stream=0, stream_timeout_s=30.0):
     """Runs an ActorPool (action = frame[0] % 3) on one server until num_rollouts arrive, or
     run() fails. Returns (rollouts, pool, the error run() raised or None)."""
     learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
@@ -463,7 +463,8 @@ def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeou
     pool = libpolybeast.ActorPool(
         unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
         env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS,
-        connect_timeout_s=connect_timeout_s, envs_per_stream=envs_per_stream)
+        connect_timeout_s=connect_timeout_s, envs_per_stream=envs_per_stream,
+        stream_timeout_s=stream_timeout_s)
     run_errors = []
 
     def inference():

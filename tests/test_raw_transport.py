@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import libpolybeast
+import test_env_server
 from test_env_server import ENV_KEYS, run_pool_against
 from torchbeast_server import LivesEnv, array_of, put_array, rpcenv_modules
 
@@ -108,27 +109,15 @@ def factory(num_envs=None):
     return CountingAdapter() if num_envs is None else CountingBatch(num_envs)
 
 
-class ServerThread:
+class ServerThread(test_env_server.ServerThread):
+    """test_env_server's server thread at a raw: address, once it accepts connections."""
+
     def __init__(self, address, env_factory=factory):
-        self.server = libpolybeast.EnvServer(env_factory, address)
-        self.errors = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        super().__init__(env_factory, address)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while not self.errors and not accepts(address[len("raw:"):]):
             assert time.monotonic() < deadline, "the server did not listen"
             time.sleep(0.01)
-
-    def _run(self):
-        try:
-            self.server.run()
-        except Exception as error:  # noqa: BLE001 - the test inspects it
-            self.errors.append(error)
-
-    def stop(self):
-        self.server.stop()
-        self.thread.join(JOIN_TIMEOUT_S)
-        assert not self.thread.is_alive(), "EnvServer.run() did not return after stop()"
 
 
 @pytest.fixture
@@ -342,31 +331,12 @@ def test_a_silent_raw_server_is_cancelled_after_the_stream_timeout(pb2, path, ca
     """Streams that go silent after 3 Steps: each is cancelled after stream_timeout_s, and the
     actor reconnects and goes on (one rollout of 2 steps per stream)."""
     server = PythonRawServer(pb2, path, steps_per_stream=3)
-    learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1)
-    batcher = libpolybeast.DynamicBatcher(batch_dim=1, timeout_ms=5)
-    pool = libpolybeast.ActorPool(
-        unroll_length=2, learner_queue=learner_queue, inference_batcher=batcher,
-        env_server_addresses=[f"raw:{path}"], initial_agent_state=(), env_keys=list(ENV_KEYS),
-        connect_timeout_s=10.0, stream_timeout_s=0.3)
-
-    def inference():
-        for batch in batcher:
-            env_outputs, state = batch.get_inputs()
-            batch.set_outputs((dict(action=np.zeros(env_outputs["frame"].shape[:2],
-                                                    np.int64)), state))
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (inference, pool.run)]
-    for thread in threads:
-        thread.start()
     try:
-        rollouts = [next(iter(learner_queue)) for _ in range(3)]
+        rollouts, _, error = run_pool_against(f"raw:{path}", 2, 3, stream_timeout_s=0.3)
     finally:
-        learner_queue.close()
-        batcher.close()
-        for thread in threads:
-            thread.join(JOIN_TIMEOUT_S)
         server.stop()
+    assert error is None, error
     assert len(server.envs) >= 3
-    for rollout, _ in rollouts:  # a fresh environment each time
+    for rollout in rollouts:  # a fresh environment each time
         np.testing.assert_array_equal(rollout["frame"][:, 0, 0], [0, 1, 2])
     assert "more than stream_timeout_s 0.3 s; cancelled the stream" in capfd.readouterr().err
