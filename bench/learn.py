@@ -134,7 +134,7 @@ class Curve:
     returns: list
     last_step: float = math.nan  # the largest step logged
     wall_s: float = math.nan
-    eval_return: float = math.nan  # the last eval_mean_episode_return
+    eval_return: float = math.nan  # the eval_mean_episode_return of the latest snapshot
     # Offline evaluations (--eval_interval_steps) by the step of their snapshot, in step order.
     eval_steps: list = dataclasses.field(default_factory=list)
     eval_returns: list = dataclasses.field(default_factory=list)
@@ -250,15 +250,15 @@ def read_curve(path):
     for row in rows:
         if _finite(row, "mean_episode_return"):  # nan until the first episode ends
             points[row["step"]] = row["mean_episode_return"]  # the later of equal steps
-    evals = [r["eval_mean_episode_return"] for r in rows if _finite(r, "eval_mean_episode_return")]
-    by_step = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
-                      if _finite(r, "eval_mean_episode_return")}.items())
+    # By step: an evaluation row is written when the evaluation ends, maybe after later ones.
+    evals = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
+                    if _finite(r, "eval_mean_episode_return")}.items())
     return Curve(steps=list(points), returns=list(points.values()),
-                 eval_steps=[s for s, _ in by_step], eval_returns=[v for _, v in by_step],
+                 eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
                                   start_times(path)),
-                 eval_return=evals[-1] if evals else math.nan)
+                 eval_return=evals[-1][1] if evals else math.nan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,7 +498,7 @@ HOW_TO_READ = (
     "last 100 training episodes, sampled actions); mean ± sample std (n-1) and min – max over "
     "seeds. Seeds finished: logs reaching total_steps. Steps reached: the last step logged, "
     "min – max over seeds. Wall time: mean over seeds, each run from its start to its last "
-    "row, summed over resumes. Eval return: the last `eval_mean_episode_return` (only with "
+    "row, summed over resumes. Eval return: the `eval_mean_episode_return` of the latest snapshot (only with "
     "`--eval_interval_steps`). Curves: each seed interpolated linearly on a common step grid "
     "(the range all seeds cover); line = mean over seeds, band = min – max over seeds; a "
     "dashed line, for runs with evaluations, is the mean of their evaluations. "
