@@ -276,6 +276,13 @@ def _check_servers(flags):
     if flags.pipes_basename is not None and not beast_flags.socket_path(flags.pipes_basename):
         return [f"--pipes_basename must be unix:PATH or raw:PATH (got {flags.pipes_basename!r}); "
                 "use --server_addresses HOST:PORT,... for TCP."]
+    if flags.pipes_basename is not None and flags.server_addresses is None:
+        rank, world_size = distributed.env_rank()
+        rank_suffix = f"-rank{rank}" if world_size > 1 and not flags.no_start_servers else ""
+        problem = beast_flags.socket_path_problem(
+            f"{flags.pipes_basename}{rank_suffix}.{max(flags.num_actors - 1, 0)}")
+        if problem:
+            return [f"--pipes_basename: {problem}."]
     if flags.pipes_basename is not None and not flags.no_start_servers:
         directory = os.path.dirname(beast_flags.socket_path(flags.pipes_basename)) or "."
         if not os.path.isdir(directory):
@@ -285,6 +292,16 @@ def _check_servers(flags):
 
 # ----------------------------------------------------------------------------
 # Environment servers started by this process.
+
+def socket_dir(num_servers):
+    """Where a run's own server sockets go: the temporary directory ($TMPDIR), unless its
+    path is too long for a unix socket (a cluster's per-job scratch can be), then /tmp."""
+    longest = os.path.join(tempfile.gettempdir(), f"polybeast-{os.getpid()}-xxxxxxxx",
+                           f"env.{num_servers - 1}")
+    if len(os.fsencode(longest)) > beast_flags.MAX_SOCKET_PATH_BYTES:
+        return "/tmp"
+    return None
+
 
 class LocalEnvServers:
     """`python -m polybeast_env` as a child process serving num_servers unix sockets.
@@ -300,7 +317,8 @@ class LocalEnvServers:
         self.own_dir = None
         self.rank, world_size = distributed.env_rank()
         if flags.pipes_basename is None:
-            self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-")
+            self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-",
+                                            dir=socket_dir(num_servers))
             scheme = "raw" if flags.local_transport == "raw" else "unix"
             self.pipes_basename = f"{scheme}:{self.own_dir}/env"
         elif world_size > 1:  # learner ranks on one host must not share sockets

@@ -83,7 +83,11 @@ def server_address(flags, index):
     if not socket_path(flags.pipes_basename):
         raise ValueError(f"--pipes_basename must be unix:PATH or raw:PATH, got "
                          f"{flags.pipes_basename!r}; use --address HOST:PORT for TCP")
-    return f"{flags.pipes_basename}.{index}"
+    address = f"{flags.pipes_basename}.{index}"
+    problem = beast_flags.socket_path_problem(address)
+    if problem:
+        raise ValueError(f"--pipes_basename: {problem}")
+    return address
 
 
 def server_addresses(flags):

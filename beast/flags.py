@@ -554,11 +554,31 @@ def split_host_port(address):
 SOCKET_SCHEMES = ("unix:", "raw:")
 
 
+# A unix socket's path is held in sockaddr_un.sun_path: 108 bytes on Linux, one of them the
+# final NUL. A longer path fails deep in gRPC or the raw transport; we say so up front.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 def socket_path(address):
     """The socket file of a unix:PATH or raw:PATH address; None for any other address."""
     for scheme in SOCKET_SCHEMES:
         if address.startswith(scheme):
             return address[len(scheme):]
+    return None
+
+
+def socket_path_problem(address):
+    """What makes a unix:PATH or raw:PATH address unusable (no path, or one longer than a unix
+    socket can hold), as a sentence; None when it is fine or not a socket address."""
+    path = socket_path(address)
+    if path is None:
+        return None
+    if not path:
+        return f"{address!r} names no socket path: give {address}PATH"
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        return (f"the socket path of {address!r} is {size} bytes, and a unix socket's path "
+                f"holds at most {MAX_SOCKET_PATH_BYTES}: choose a shorter directory")
     return None
 
 
@@ -579,10 +599,10 @@ def parse_address_list(text):
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
-        path = socket_path(entry)
-        if path is not None:
-            if not path:
-                raise ValueError(f"{entry!r} names no socket path: give {entry}PATH")
+        if socket_path(entry) is not None:
+            problem = socket_path_problem(entry)
+            if problem:
+                raise ValueError(problem)
             addresses.append(entry)
             continue
         try:

@@ -312,6 +312,12 @@ def test_polybeast_env_addresses():
     with pytest.raises(ValueError):
         polybeast_env.server_address(
             polybeast_env.make_parser().parse_args(["--address", "nohost"]), 0)
+    long_basename = "raw:/tmp/" + "d" * 100  # fits; with ".10" it does not
+    flags = polybeast_env.make_parser().parse_args(["--num_servers", "11",
+                                                     "--pipes_basename", long_basename])
+    assert polybeast_env.server_address(flags, 9) == long_basename + ".9"
+    with pytest.raises(ValueError, match="--pipes_basename: the socket path .* is 108 bytes"):
+        polybeast_env.server_addresses(flags)
 
 
 def batch_of(step):

@@ -390,3 +390,18 @@ def test_parse_address_list():
 def test_parse_address_list_names_the_bad_entry(text, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         beast_flags.parse_address_list(text)
+
+
+@pytest.mark.parametrize("scheme", ["unix:", "raw:"])
+def test_a_socket_path_too_long_for_a_unix_socket_is_refused_with_its_length(scheme):
+    longest = "/tmp/" + "d" * (beast_flags.MAX_SOCKET_PATH_BYTES - len("/tmp/"))
+    assert beast_flags.socket_path_problem(scheme + longest) is None
+    assert beast_flags.parse_address_list(scheme + longest) == [scheme + longest]
+    problem = beast_flags.socket_path_problem(scheme + longest + "d")
+    assert f"is {beast_flags.MAX_SOCKET_PATH_BYTES + 1} bytes" in problem
+    assert "shorter directory" in problem
+    with pytest.raises(ValueError, match="shorter directory"):
+        beast_flags.parse_address_list(f"{scheme}/tmp/a,{scheme}{longest}d")
+    # Bytes, not characters: the kernel counts the encoded path.
+    assert beast_flags.socket_path_problem(scheme + "/tmp/" + "é" * 60) is not None
+    assert beast_flags.socket_path_problem("localhost:4000") is None

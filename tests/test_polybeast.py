@@ -477,6 +477,21 @@ def test_bad_flags_are_reported_together(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_socket_path_too_long_is_one_error_and_a_long_tmpdir_is_avoided(tmp_path):
+    """A unix socket's path holds 107 bytes: a longer --pipes_basename is refused up front,
+    and a run whose $TMPDIR is that long (a cluster job's scratch) puts its sockets in /tmp."""
+    long_dir = tmp_path / ("d" * max(1, 110 - len(str(tmp_path))))
+    long_dir.mkdir()
+    result = run(tmp_path, *polybeast_args(tmp_path, "--pipes_basename", f"raw:{long_dir}/env"))
+    assert result.returncode == 2
+    assert "--pipes_basename: the socket path" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "run" / "flags.json").exists()
+    result = run(long_dir, *polybeast_args(tmp_path, "--total_steps", "2000", xpid="tmpdir"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert checkpoint_step(tmp_path / "runs" / "tmpdir") >= 2000
+
+
 def test_non_loopback_address_warns(tmp_path):
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--server_addresses", "192.0.2.1:4000", "--connect_timeout_s", "1",
