@@ -57,6 +57,8 @@ ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
 # 1,023-1,071 SPS against 857-869 for 4 x 2, and 2 x 64 CartPole envs 65,571-68,925
 # against 57,550-57,789 for 4 x 32 (README, Performance).
 DEFAULT_NUM_ACTORS = 4
+# --local_transport -> the scheme of its socket addresses (beast/flags.py SOCKET_SCHEMES).
+TRANSPORT_SCHEMES = {"raw": "raw:", "grpc": "unix:"}
 
 
 def make_parser():
@@ -107,8 +109,9 @@ def _add_server_flags(parser):
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket: "
                              "unix:PATH for gRPC, raw:PATH for the same messages without gRPC "
-                             "(default: <--local_transport>:<fresh temporary directory>/env, "
-                             "removed at exit).")
+                             "(default: raw:<fresh temporary directory>/env, or unix: with "
+                             "--local_transport grpc; removed at exit). Its scheme, not "
+                             "--local_transport, says how the actors talk to these servers.")
     parser.add_argument("--local_transport", choices=["raw", "grpc"], default="raw",
                         help="How the actors talk to the env servers this run starts: raw, "
                              "length-prefixed messages on a unix socket, read and written by the "
@@ -276,6 +279,12 @@ def _check_servers(flags):
     if flags.pipes_basename is not None and not beast_flags.socket_path(flags.pipes_basename):
         return [f"--pipes_basename must be unix:PATH or raw:PATH (got {flags.pipes_basename!r}); "
                 "use --server_addresses HOST:PORT,... for TCP."]
+    if (flags.pipes_basename is not None and "local_transport" in flags.given
+            and not flags.pipes_basename.startswith(TRANSPORT_SCHEMES[flags.local_transport])):
+        # The basename's scheme decides; a --local_transport that says otherwise is a mistake.
+        return [f"--pipes_basename {flags.pipes_basename} and --local_transport "
+                f"{flags.local_transport} disagree: the basename's scheme decides, so give "
+                f"{TRANSPORT_SCHEMES[flags.local_transport]}PATH or drop --local_transport."]
     if flags.pipes_basename is not None and flags.server_addresses is None:
         rank, world_size = distributed.env_rank()
         rank_suffix = f"-rank{rank}" if world_size > 1 and not flags.no_start_servers else ""
@@ -319,8 +328,8 @@ class LocalEnvServers:
         if flags.pipes_basename is None:
             self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-",
                                             dir=socket_dir(num_servers))
-            scheme = "raw" if flags.local_transport == "raw" else "unix"
-            self.pipes_basename = f"{scheme}:{self.own_dir}/env"
+            scheme = TRANSPORT_SCHEMES[flags.local_transport]
+            self.pipes_basename = f"{scheme}{self.own_dir}/env"
         elif world_size > 1:  # learner ranks on one host must not share sockets
             self.pipes_basename = f"{flags.pipes_basename}-rank{self.rank}"
         else:

@@ -492,6 +492,15 @@ def test_a_socket_path_too_long_is_one_error_and_a_long_tmpdir_is_avoided(tmp_pa
     assert checkpoint_step(tmp_path / "runs" / "tmpdir") >= 2000
 
 
+def test_a_pipes_basename_whose_scheme_disagrees_with_local_transport_is_refused(tmp_path):
+    result = run(tmp_path, *polybeast_args(tmp_path, "--pipes_basename", f"unix:{tmp_path}/env",
+                                           "--local_transport", "raw"))
+    assert result.returncode == 2
+    assert "--local_transport raw disagree" in result.stderr, result.stderr
+    assert "raw:PATH or drop --local_transport" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_non_loopback_address_warns(tmp_path):
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--server_addresses", "192.0.2.1:4000", "--connect_timeout_s", "1",
