@@ -164,14 +164,25 @@ def build_model(flags, info):
         raise UserError(str(e)) from None
 
 
+# A second stop signal within this many seconds of the first is the same request delivered
+# twice, not a user insisting: GNU `timeout` signals its child and then the child's whole
+# process group, so `timeout 3600 python -m monobeast ...` delivers SIGTERM twice at once.
+REPEATED_SIGNAL_S = 2.0
+
+
 def install_signal_handlers():
-    """SIGTERM and SIGINT set an event; the main loop stops and checkpoints."""
+    """SIGTERM and SIGINT set an event; the main loop stops and checkpoints. Another one at
+    least REPEATED_SIGNAL_S later (a second Ctrl-C) stops at once, without the checkpoint."""
     stop = threading.Event()
+    first = []  # monotonic time of the first signal
 
     def handler(signum, frame):
-        if stop.is_set():  # A second Ctrl-C: stop at once.
+        now = time.monotonic()
+        if not first:
+            first.append(now)
+            stop.set()
+        elif now - first[0] >= REPEATED_SIGNAL_S:  # a second Ctrl-C: stop at once
             raise KeyboardInterrupt
-        stop.set()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)

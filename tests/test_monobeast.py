@@ -173,6 +173,7 @@ def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
             assert proc.poll() is None, proc.communicate()[1]
             time.sleep(0.2)
         proc.send_signal(sig)
+        proc.send_signal(sig)  # twice at once, as `timeout` delivers it: still one clean stop
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

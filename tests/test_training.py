@@ -1,7 +1,9 @@
 """The run skeleton's own pieces (beast/training.py), in-process."""
 
 import argparse
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -192,3 +194,20 @@ def test_time_limits_bootstrap(tmp_path, variant, envs_per_stream):
     near_the_limit = value_of(model, 19 / 20)
     assert near_the_limit > 8, f"V(step 19) = {near_the_limit:.2f}; bootstrapped it is ~10"
     assert abs(value_of(model, 5 / 20) - 10) < 2
+
+
+def test_a_stop_signal_delivered_twice_at_once_is_one_request(monkeypatch):
+    """GNU timeout signals its child, then the child's process group: two SIGTERMs at once
+    must stop the run cleanly (with its checkpoint), not as a second Ctrl-C would."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = training.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.is_set()
+        monkeypatch.setattr(training, "REPEATED_SIGNAL_S", 0.0)  # as if seconds had passed
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
