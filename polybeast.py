@@ -286,10 +286,10 @@ def _check_servers(flags):
                 f"{flags.local_transport} disagree: the basename's scheme decides, so give "
                 f"{TRANSPORT_SCHEMES[flags.local_transport]}PATH or drop --local_transport."]
     if flags.pipes_basename is not None and flags.server_addresses is None:
-        rank, world_size = distributed.env_rank()
-        rank_suffix = f"-rank{rank}" if world_size > 1 and not flags.no_start_servers else ""
-        problem = beast_flags.socket_path_problem(
-            f"{flags.pipes_basename}{rank_suffix}.{max(flags.num_actors - 1, 0)}")
+        basename = flags.pipes_basename
+        if not flags.no_start_servers:
+            basename = rank_basename(basename, *distributed.env_rank())  # LocalEnvServers'
+        problem = beast_flags.socket_path_problem(f"{basename}.{max(flags.num_actors - 1, 0)}")
         if problem:
             return [f"--pipes_basename: {problem}."]
     if flags.pipes_basename is not None and not flags.no_start_servers:
@@ -301,6 +301,12 @@ def _check_servers(flags):
 
 # ----------------------------------------------------------------------------
 # Environment servers started by this process.
+
+def rank_basename(pipes_basename, rank, world_size):
+    """The --pipes_basename of this rank's own servers: learner ranks on one host must not
+    share sockets, so each of several gets its own suffix."""
+    return f"{pipes_basename}-rank{rank}" if world_size > 1 else pipes_basename
+
 
 def socket_dir(num_servers):
     """Where a run's own server sockets go: the temporary directory ($TMPDIR), unless its
@@ -330,10 +336,8 @@ class LocalEnvServers:
                                             dir=socket_dir(num_servers))
             scheme = TRANSPORT_SCHEMES[flags.local_transport]
             self.pipes_basename = f"{scheme}{self.own_dir}/env"
-        elif world_size > 1:  # learner ranks on one host must not share sockets
-            self.pipes_basename = f"{flags.pipes_basename}-rank{self.rank}"
         else:
-            self.pipes_basename = flags.pipes_basename
+            self.pipes_basename = rank_basename(flags.pipes_basename, self.rank, world_size)
         self.addresses = [f"{self.pipes_basename}.{i}" for i in range(num_servers)]
         self.process = None
 
