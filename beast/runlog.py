@@ -10,6 +10,9 @@ Layout of a run directory (``savedir/xpid/``)::
     model.tar       the checkpoint (written by beast.checkpoint)
     videos/         MP4s of test and evaluation games (beast/video.py), when asked for
     wandb_id        the Weights & Biases run id, with --wandb_project: a resume continues it
+    run.lock        locked while a training runs here (its pid, host and start time inside),
+                    so that a second learner on the same --xpid stops with a message instead
+                    of interleaving its logs and checkpoints with the first one's
 
 With --wandb_project, StatsLogger sends W&B what it writes to logs.csv (and the videos);
 W&B is imported only then.
@@ -18,6 +21,8 @@ W&B is imported only then.
 import collections
 import csv
 import datetime
+import errno
+import fcntl
 import importlib.metadata
 import json
 import math
@@ -58,6 +63,7 @@ class RunDir:
                 xpid = f"{base}-{n}"
         self.xpid = xpid
         self.path = os.path.join(savedir, xpid)
+        self._lock_file = None
         if create:
             self.create()
 
@@ -75,6 +81,57 @@ class RunDir:
                 f"cannot write the run directory {self.path}: "
                 f"{e.strerror or e}. Pass a writable --savedir (or another --xpid)."
             ) from e
+
+    def lock(self):
+        """Claims the directory for this process's training until unlock() or exit.
+
+        A POSIX record lock (fcntl.lockf): the kernel drops it when the process ends,
+        however it ends, so a crashed run never leaves a stale lock behind, and forked
+        actor processes do not inherit it. Raises RunDirError naming the holder when
+        another process has it. A filesystem without locks gets a warning, not an error.
+        """
+        if self._lock_file is not None:
+            return
+        try:
+            # "a+": opening must not erase the holder's line before we know we are not it.
+            f = open(self.lock_path, "a+")
+        except OSError as e:
+            raise RunDirError(f"cannot write the run directory {self.path}: {e.strerror or e}. "
+                              "Pass a writable --savedir (or another --xpid).") from e
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read().strip()
+            f.close()
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                print(f"warning: cannot lock {self.lock_path} ({e.strerror or e}); nothing "
+                      "stops a second training from writing into this run directory.",
+                      file=sys.stderr)
+                return
+            raise RunDirError(
+                f"the run directory {self.path} is in use by another training "
+                f"({holder or 'its process did not say which'}). Two learners in one directory "
+                "would interleave their logs and overwrite each other's checkpoints: wait for "
+                "that run to end (or stop it; it checkpoints and this command then resumes "
+                "it), or pass another --xpid.") from None
+        f.seek(0)
+        f.truncate()
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        f.write(f"pid {os.getpid()} on host {socket.gethostname()}, started {started}\n")
+        f.flush()
+        self._lock_file = f
+
+    def unlock(self):
+        """Releases the lock of lock(). The file stays: removing it would let a third
+        process lock a new file while a second still holds the old, unlinked one."""
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    @property
+    def lock_path(self):
+        return os.path.join(self.path, "run.lock")
 
     @property
     def flags_path(self):

@@ -85,16 +85,30 @@ def prepare(flags, check_flags=None, ranks=None):
         the variant's own env-dependent flags and checks them.
       ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
         run directory and every rank gets its xpid, saved flags and checkpoint.
-    Returns (run_dir, info, checkpoint or None).
+    Returns (run_dir, info, checkpoint or None); a training's run_dir is locked
+    (runlog.RunDir.lock) on rank 0 until run_dir.unlock() or the process ends.
     """
     ranks = ranks or distributed.Single()
     # Nothing is created until every flag has been checked.
     run_dir = runlog.RunDir(flags.savedir, flags.xpid, create=False)
+    try:
+        return _prepare(flags, check_flags, ranks, run_dir)
+    except BaseException:
+        run_dir.unlock()
+        raise
+
+
+def _prepare(flags, check_flags, ranks, run_dir):
     problem, saved = None, (run_dir.xpid, None, None)
+    # A training claims its directory before reading it, so that a second learner
+    # started on a running xpid stops here, having written nothing.
+    claim = ranks.is_main and flags.mode == "train"
     if ranks.is_main:
         try:
+            if claim and os.path.isdir(run_dir.path):
+                run_dir.lock()
             saved = (run_dir.xpid, *_saved_run(flags, run_dir))
-        except UserError as e:
+        except (runlog.RunDirError, UserError) as e:
             problem = str(e)
     # One message on every rank, not rank 0's error and the others' hang.
     problem, (xpid, saved_flags, checkpoint) = ranks.share((problem, saved))
@@ -121,6 +135,8 @@ def prepare(flags, check_flags=None, ranks=None):
             ckpt.check_compatible(checkpoint["flags"], flags)
         if ranks.is_main:  # the others write nothing
             run_dir.create()
+            if claim:
+                run_dir.lock()
     except (beast_flags.FlagError, ckpt.CheckpointError, runlog.RunDirError) as e:
         raise UserError(str(e)) from None
     return run_dir, info, checkpoint
@@ -561,6 +577,13 @@ def join_ranks(flags, variant):
 
 def _train(flags, variant, ranks):
     run_dir, info, checkpoint = prepare(flags, variant.check_flags, ranks)
+    try:
+        return _train_prepared(flags, variant, ranks, run_dir, info, checkpoint)
+    finally:
+        run_dir.unlock()  # the directory is free for a resume once this run has ended
+
+
+def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)

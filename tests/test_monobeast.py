@@ -184,6 +184,43 @@ def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
     assert "--xpid s" in stderr
 
 
+def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
+    """One run directory, one training: a second learner on the same --xpid stops with one
+    message naming the first, writes nothing, and the first run's resume works after it."""
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "busy",
+           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000]
+    first = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "busy"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "logs.csv").exists():
+            assert first.poll() is None, first.communicate()[1]
+            time.sleep(0.2)
+        before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name == "flags.json"
+                  or p.name == "meta.json"}
+        names = sorted(os.listdir(run_dir))
+        second = run_monobeast(tmp_path, "--xpid", "busy", "--total_steps", 10_000,
+                               check=False, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert "Traceback" not in second.stderr
+        assert "in use by another training" in second.stderr
+        assert f"pid {first.pid} " in second.stderr and "--xpid" in second.stderr
+        assert sorted(os.listdir(run_dir)) == names  # no flags.json.1, meta.json.1
+        assert {name: (run_dir / name).read_bytes() for name in before} == before
+        assert first.poll() is None  # the first run goes on
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr
+    step = ckpt.load_checkpoint(str(run_dir / "model.tar"))["step"]
+    # The lock went with the process: the same command now resumes the run.
+    resumed = run_monobeast(tmp_path, "--xpid", "busy", "--total_steps", step + 2000)
+    assert "Resuming" in resumed.stderr
+
+
 def test_serial_mode(tmp_path):
     """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
     newest weights, except its step 0, which is the previous unroll's last step, acted before

@@ -3,6 +3,9 @@ import io
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +23,66 @@ def test_run_dir_paths(tmp_path):
     assert run_dir.checkpoint_path.endswith("exp1/model.tar")
     assert run_dir.tb_dir.endswith("exp1/tensorboard")
     assert os.listdir(run_dir.path) == []  # the write probe is cleaned up
+
+
+# A process that locks a run directory, forks a child that outlives it, says "locked" and
+# exits when told to (or, with "orphan", right away, leaving its child running).
+HOLDER = """
+import os, sys, time
+from beast import runlog
+run_dir = runlog.RunDir(sys.argv[1], "exp")
+run_dir.lock()
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print("locked", child, flush=True)
+if sys.argv[2] != "orphan":
+    sys.stdin.readline()
+"""
+
+
+def _holder(tmp_path, mode):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), mode], cwd=repo,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    word, child = proc.stdout.readline().split()
+    assert word == "locked"
+    return proc, int(child)
+
+
+def test_run_dir_lock_refuses_a_second_process_and_ends_with_the_first(tmp_path):
+    proc, child = _holder(tmp_path, "wait")
+    try:
+        with pytest.raises(runlog.RunDirError) as info:
+            runlog.RunDir(tmp_path, "exp").lock()
+        message = str(info.value)
+        assert f"pid {proc.pid} on host" in message and "--xpid" in message
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == 0
+        run_dir = runlog.RunDir(tmp_path, "exp")
+        run_dir.lock()  # the holder is gone: free
+        run_dir.lock()  # and again in the same process: a no-op
+        with open(run_dir.lock_path) as f:
+            assert f.read().startswith(f"pid {os.getpid()} on host")
+        run_dir.unlock()
+        assert os.path.exists(run_dir.lock_path)  # kept; see RunDir.unlock
+    finally:
+        proc.kill()
+        os.kill(child, signal.SIGKILL)
+
+
+def test_run_dir_lock_is_not_kept_by_forked_children(tmp_path):
+    """MonoBeast forks its actors: a child still running after the learner died must not
+    hold the directory (an flock would be, since a fork shares the open file)."""
+    proc, child = _holder(tmp_path, "orphan")
+    try:
+        assert proc.wait(timeout=30) == 0
+        os.kill(child, 0)  # the child still runs
+        runlog.RunDir(tmp_path, "exp").lock()
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_generated_xpids_are_unique(tmp_path):
