@@ -57,20 +57,28 @@ def save_checkpoint(path, state):
 
     Either the whole new checkpoint is at path afterwards, or (on any error,
     including a crash) the previous file is there unchanged.
+    A write that fails (a full disk, a quota, an I/O error) raises CheckpointError with
+    the system's reason, and leaves no temporary file behind.
     """
     _check_plain(state, "")
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".",
+                                        suffix=".tmp")
+    except OSError as e:
+        raise CheckpointError(f"cannot write the checkpoint {path}: {_reason(e)}") from e
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the data must be on disk before the rename points at it
         os.replace(tmp_path, path)
-    except BaseException:
+    except BaseException as e:
         os.remove(tmp_path)
-        raise
+        if not isinstance(e, Exception):  # Ctrl-C and the like stay what they are
+            raise
+        raise CheckpointError(f"cannot write the checkpoint {path}: {_reason(e)}") from e
     try:
         # Makes the rename itself durable; not possible on every platform.
         dir_fd = os.open(directory, os.O_RDONLY)
@@ -80,6 +88,18 @@ def save_checkpoint(path, state):
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def _reason(error):
+    """The system's reason for a failed write. torch.save reports a full disk as a
+    RuntimeError of its zip writer ("unexpected pos ..."), raised while handling the
+    OSError that says what happened; that OSError is the one worth showing."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen.strerror or str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return str(error)
 
 
 def load_checkpoint(path, map_location="cpu"):

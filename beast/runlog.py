@@ -33,6 +33,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -240,6 +241,16 @@ def _scalar(value):
     return value
 
 
+def _quiet_tensorboard_thread(args, _usual=threading.excepthook):
+    """TensorBoard's event writer thread dies on a write error (a full disk) with a
+    traceback; its writer raises the same error at the next call, which StatsLogger
+    reports in one line. Other threads' errors go to the usual hook."""
+    if (issubclass(args.exc_type, OSError)
+            and type(args.thread).__module__.startswith("tensorboard.")):
+        return
+    _usual(args)
+
+
 class StatsLogger:
     """Appends stats to logs.csv and to TensorBoard.
 
@@ -263,62 +274,131 @@ class StatsLogger:
         self._wandb = None
         if flags is not None and getattr(flags, "wandb_project", None):
             self._wandb = WandbTracker(run_dir, flags)
-        self._fieldnames = None
+        self._fieldnames = None  # the columns of the rows logged so far
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
                 self._fieldnames = next(csv.reader(f))
+        self._on_disk = self._fieldnames  # the header logs.csv has now
+        self._pending = []  # rows not written yet: the disk was full, or another error
+        self._write_error = None
         self._tb = None
         if use_tensorboard:
             # Imported here: it is slow to import and plotting never needs it.
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=run_dir.tb_dir)
+            if threading.excepthook is threading.__excepthook__:  # not if others set one
+                threading.excepthook = _quiet_tensorboard_thread
 
     def log(self, step, stats, videos=None):
         """Writes one row; stats maps names to numbers (or 0-d tensors, or strings).
-        videos: {name: MP4 path}, for W&B (logs.csv and TensorBoard get the numbers alone)."""
+        videos: {name: MP4 path}, for W&B (logs.csv and TensorBoard get the numbers alone).
+
+        A row that cannot be written (a full disk, a quota) is kept and written with the
+        next one that can be, so a disk that fills up for a while loses no row; TensorBoard
+        stops for the rest of the run instead (its writer cannot recover)."""
         step = int(step)
         row = {k: _scalar(v) for k, v in stats.items() if k not in ("_time", "step")}
         row["_time"] = time.time()
         row["step"] = step
         if self._fieldnames is None:
             self._fieldnames = ["_time", "step", *sorted(k for k in row if k not in ("_time", "step"))]
-            with open(self.path, "w", newline="") as f:
-                csv.writer(f).writerow(self._fieldnames)
         else:
-            new_keys = sorted(k for k in row if k not in self._fieldnames)
-            if new_keys:
-                self._widen(new_keys)
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, self._fieldnames, restval="").writerow(row)
+            self._fieldnames += sorted(k for k in row if k not in self._fieldnames)
+        self._pending.append(row)
+        self._write_pending()
         if self._tb is not None:
+            self._write_tensorboard(step, row)
+        if self._wandb is not None:
+            self._wandb.log(step, row, videos)
+
+    def _write_pending(self):
+        try:
+            self._append(self._pending)
+        except OSError as e:
+            if self._write_error is None:
+                print(f"warning: cannot write {self.path} ({e.strerror or e}); its rows are "
+                      "kept and written once it can be. Training goes on.", file=sys.stderr)
+            self._write_error = e
+            return
+        if self._write_error is not None:
+            print(f"{self.path} is written again ({len(self._pending)} rows had waited).",
+                  file=sys.stderr)
+            self._write_error = None
+        self._pending = []
+
+    def _append(self, rows):
+        """Appends rows to logs.csv (with the header first, or a wider one); on an error
+        the file is cut back to what it was, so no half row stays in it."""
+        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            self._on_disk = None
+        elif self._on_disk != self._fieldnames:
+            self._widen()
+        size = os.path.getsize(self.path) if self._on_disk is not None else 0
+        try:
+            with open(self.path, "a", newline="") as f:
+                if self._on_disk is None:
+                    csv.writer(f).writerow(self._fieldnames)
+                csv.DictWriter(f, self._fieldnames, restval="").writerows(rows)
+        except OSError:
+            try:
+                os.truncate(self.path, size)  # frees space: it works on a full disk
+            except OSError:
+                pass
+            raise
+        self._on_disk = list(self._fieldnames)
+
+    def _widen(self):
+        """Rewrites logs.csv with the new columns appended to the header."""
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+        tmp = self.path + ".tmp"
+        try:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(self._fieldnames)
+                width = len(self._fieldnames)  # earlier rows get an empty cell per new column
+                writer.writerows(row + [""] * (width - len(row)) for row in rows)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)  # a crash here leaves the old file whole
+        except OSError:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        self._on_disk = list(self._fieldnames)
+
+    def _write_tensorboard(self, step, row):
+        try:
             for key, value in row.items():
                 if key == "_time" or isinstance(value, str) or value is None:
                     continue
                 if not math.isnan(value):  # nan before the first episode ends
                     self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(step, row, videos)
-
-    def _widen(self, new_keys):
-        """Rewrites logs.csv with new columns appended to the header."""
-        with open(self.path, newline="") as f:
-            rows = list(csv.reader(f))[1:]
-        self._fieldnames = self._fieldnames + new_keys
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(self._fieldnames)
-            writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)  # a crash here leaves the old file whole
+        except OSError as e:
+            # TensorBoard's writer thread died on the error, and every later call raises it.
+            print(f"warning: TensorBoard events stop at step {step} ({e.strerror or e}); "
+                  f"{self.path} keeps every row.", file=sys.stderr)
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError:
+                pass
 
     def close(self):
+        if self._pending:
+            self._write_pending()
+        if self._pending:
+            steps = [row["step"] for row in self._pending]
+            print(f"warning: the last {len(steps)} rows (steps {min(steps)} to {max(steps)}) "
+                  f"could not be written to {self.path}.", file=sys.stderr)
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError:
+                pass  # said when it failed
         if self._wandb is not None:
             wandb_run, self._wandb = self._wandb, None
             wandb_run.close()

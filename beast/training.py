@@ -456,6 +456,8 @@ class Run:
                        else runlog.StatusLine(flags.total_steps))
         self.errors = ThreadErrors()
         self.last_checkpoint = time.time()
+        self.saved_step = self.learner.step if checkpoint is not None else None  # on disk
+        self.checkpoint_error = None  # why the latest save failed, while it does
 
     def done(self):
         return self.learner.step >= self.flags.total_steps
@@ -493,7 +495,10 @@ class Run:
         if self.status is not None:
             self.status.update(self.learner.step, self.stats.latest)
         if time.time() - self.last_checkpoint > self.flags.checkpoint_interval_s:
-            self.save()
+            if not self.save():
+                print(f"warning: {self.checkpoint_error}; {self.on_disk()}. Training goes "
+                      f"on and tries again in {self.flags.checkpoint_interval_s:g} s.",
+                      file=sys.stderr)
             self.last_checkpoint = time.time()
         self.evaluator.run_pending(self.stats)
 
@@ -520,9 +525,10 @@ class Run:
 
     def save(self):
         """Writes the checkpoint: everything a resume needs. Weights that are not finite
-        never overwrite the last good checkpoint. Only rank 0 writes one."""
+        never overwrite the last good checkpoint. Only rank 0 writes one. Returns False
+        when the write failed (checkpoint_error says why)."""
         if not self.ranks.is_main:
-            return
+            return True
         state = self.learner.state_dict()
         bad = [k for k, v in state["model_state_dict"].items()
                if v.is_floating_point() and not torch.isfinite(v).all()]
@@ -530,14 +536,30 @@ class Run:
             print(f"warning: not writing a checkpoint: the weights {', '.join(bad[:3])} are not "
                   f"finite; {self.run_dir.checkpoint_path} keeps the last good ones.",
                   file=sys.stderr)
-            return
+            return True
         with self.stats.lock:
             state["episodes"] = self.stats.episodes.state_dict()
         state["flags"] = ckpt.plain_flags(self.flags)
-        ckpt.save_checkpoint(self.run_dir.checkpoint_path, state)
+        try:
+            ckpt.save_checkpoint(self.run_dir.checkpoint_path, state)
+        except ckpt.CheckpointError as e:
+            # A full disk or a quota must not end hours of training: the last checkpoint
+            # stays whole (save_checkpoint is atomic) and the next interval tries again.
+            self.checkpoint_error = str(e)
+            return False
+        self.saved_step, self.checkpoint_error = state["step"], None
+        return True
+
+    def on_disk(self):
+        """Which checkpoint a resume would start from, in words (after checkpoint_error,
+        which names the file)."""
+        if self.saved_step is None:
+            return "no checkpoint was written yet"
+        return f"the checkpoint there keeps step {self.saved_step}"
 
     def close(self):
-        """At the end, whatever ended it: the status line, the last checkpoint."""
+        """At the end, whatever ended it: the status line, the last checkpoint. A last
+        checkpoint that cannot be written is reported by _train, once the run is shut."""
         if self.status is not None:
             self.status.close()
         self.save()
@@ -606,6 +628,11 @@ def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
                 run.evaluator.run_pending(run.stats)  # the last snapshot, if training outran it
             finally:
                 run.close()
+    if run.checkpoint_error is not None:
+        raise UserError(f"{run.checkpoint_error}. Training stopped at step {run.learner.step}; "
+                        f"{run.on_disk()}. Once the directory can be written again (free "
+                        f"space, raise the quota), the same command with --xpid {flags.xpid} "
+                        "resumes from there.")
     where = f"Run saved in {run_dir.path}" if ranks.is_main else ranks.name(ranks.rank)
     print(f"Trained to step {run.learner.step}; mean episode return "
           f"{run.stats.episodes.mean_return():.2f}. {where}", file=sys.stderr)

@@ -1,6 +1,9 @@
 """Fixtures that several test files share."""
 
+import errno
+import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -15,3 +18,40 @@ def keep_process_state():
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
     torch.set_num_threads(threads)
+
+
+class SmallDisk:
+    """A 2 MB tmpfs at `path` that a test can fill up (fill) and free again (free)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def fill(self):
+        with open(os.path.join(self.path, "filler"), "ab", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+
+    def free(self):
+        os.remove(os.path.join(self.path, "filler"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A full disk on demand: a small tmpfs mounted for the test (it needs root, which CI
+    has; elsewhere the test is skipped) and unmounted after it, passed or failed."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path = str(tmp_path / "disk")
+    os.mkdir(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", path],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield SmallDisk(path)
+    finally:
+        # Lazy: a process of the test that still holds a file there cannot keep it mounted.
+        subprocess.run(["umount", "-l", path], capture_output=True)

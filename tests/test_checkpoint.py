@@ -1,4 +1,5 @@
 import argparse
+import errno
 import os
 
 import numpy as np
@@ -58,11 +59,17 @@ def test_failed_save_keeps_old_checkpoint(tmp_path, monkeypatch):
     checkpoint.save_checkpoint(path, make_state(step=1))
 
     def crashing_save(obj, f, *args, **kwargs):
+        # As torch.save reports a full disk: its zip writer's RuntimeError, raised while
+        # handling the OSError that says what happened.
         f.write(b"half a checkpoint")
-        raise OSError("disk full")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
 
     monkeypatch.setattr(torch, "save", crashing_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"cannot write the checkpoint .*model.tar: No space left on device$"):
         checkpoint.save_checkpoint(path, make_state(step=2))
     monkeypatch.undo()
     assert checkpoint.load_checkpoint(path)["step"] == 1

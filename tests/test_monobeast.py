@@ -221,6 +221,60 @@ def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
     assert "Resuming" in resumed.stderr
 
 
+def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
+    """A disk that fills up while training: the run goes on, the last checkpoint stays
+    whole, the rows logged meanwhile are written once there is space. Full again at the
+    end: one error that says which step the checkpoint keeps, and a resume from it."""
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", small_disk.path, "--xpid", "full",
+           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000,
+           "--checkpoint_interval_s", 1]
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    run_dir = os.path.join(small_disk.path, "full")
+
+    def wait_for_rows(n):
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1]
+            if (os.path.exists(os.path.join(run_dir, "model.tar"))
+                    and len(read_logs(run_dir)) >= n):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"fewer than {n} rows, or no checkpoint, in 120 s")
+
+    try:
+        wait_for_rows(3)
+        small_disk.fill()
+        time.sleep(4)  # several rows and checkpoint tries while full
+        assert proc.poll() is None, proc.communicate()[1]
+        rows_while_full = len(read_logs(run_dir))
+        small_disk.free()
+        wait_for_rows(rows_while_full + 3)
+        small_disk.fill()
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    assert "warning: cannot write the checkpoint" in stderr and "Training goes on" in stderr
+    assert "rows had waited" in stderr
+    last_error = stderr.strip().splitlines()[-1]
+    assert last_error.startswith("error: cannot write the checkpoint")
+    assert "No space left on device" in last_error and "--xpid full" in last_error
+    saved = ckpt.load_checkpoint(os.path.join(run_dir, "model.tar"))["step"]
+    assert f"the checkpoint there keeps step {saved}." in last_error
+    steps = [int(row["step"]) for row in read_logs(run_dir)]
+    assert steps == sorted(steps) and len(steps) > rows_while_full
+    assert max(b - a for a, b in zip(steps, steps[1:])) < 10_000  # no rows missing
+    assert not [name for name in os.listdir(run_dir) if name.endswith(".tmp")]
+    small_disk.free()
+    resumed = run_monobeast(small_disk.path, "--xpid", "full", "--total_steps", saved + 2000)
+    assert f"from step {saved}" in resumed.stderr
+
+
 def test_serial_mode(tmp_path):
     """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
     newest weights, except its step 0, which is the previous unroll's last step, acted before

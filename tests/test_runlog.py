@@ -1,4 +1,5 @@
 import argparse
+import csv
 import io
 import json
 import math
@@ -202,3 +203,46 @@ def test_status_line_tty_redraws_in_place():
     status.close()
     text = stream.getvalue()
     assert text.count("\r") == 3 and text.count("\n") == 1 and text.endswith("\n")
+
+
+def test_logs_keep_every_row_through_a_full_disk(small_disk, capsys):
+    """Rows logged while the disk is full wait and are written, in order, once it has
+    space again (a new column among them too); no half row is left in the file."""
+    run_dir = runlog.RunDir(small_disk.path, "exp")
+    logger = runlog.StatsLogger(run_dir, use_tensorboard=False)
+    stats = lambda step: {f"loss_{k}": step + k / 7 for k in range(16)}
+
+    def steps_on_disk():
+        with open(run_dir.logs_path) as f:
+            rows = list(csv.DictReader(f))
+        # A half row would have fields missing (None) or too many (a None key).
+        assert all(None not in row and None not in row.values() for row in rows)
+        return [int(row["step"]) for row in rows]
+
+    for step in range(3):
+        logger.log(step, stats(step))
+    small_disk.fill()
+    # tmpfs allocates whole pages, so the first rows may still fit in the file's last page;
+    # 60 rows of about 300 bytes do not.
+    for step in range(3, 63):
+        logger.log(step, stats(step))
+    logger.log(63, {**stats(63), "eval_return": 7.0})  # widens the header while full
+    assert "cannot write" in capsys.readouterr().err
+    written = steps_on_disk()
+    assert written == list(range(len(written))) and len(written) < 63
+    small_disk.free()
+    logger.log(64, stats(64))
+    assert "rows had waited" in capsys.readouterr().err
+    assert steps_on_disk() == list(range(65))
+    with open(run_dir.logs_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [float(row["loss_3"]) for row in rows] == pytest.approx([i + 3 / 7 for i in range(65)])
+    assert [row["eval_return"] for row in rows[62:]] == ["", "7.0", ""]
+    # Full again at the end: close says which rows are lost.
+    small_disk.fill()
+    for step in range(65, 125):
+        logger.log(step, stats(step))
+    logger.close()
+    assert "rows (steps" in capsys.readouterr().err
+    written = steps_on_disk()
+    assert written == list(range(len(written))) and len(written) < 125
