@@ -735,9 +735,16 @@ class Evaluator:
             self.count += 1
             paths = [video.path_for_eval(self.videos_dir, step)] if record else []
             # A video alone is one game; with an evaluation, its first game.
-            returns = play_episodes(self.flags, self.model,
-                                    self.flags.eval_episodes if evaluate else 1,
-                                    seed=10_000_000 + self.count, video_paths=paths)
+            games = self.flags.eval_episodes if evaluate else 1
+            seed = 10_000_000 + self.count
+            try:
+                returns = play_episodes(self.flags, self.model, games, seed, video_paths=paths)
+            except video.VideoError as e:  # a full disk, say: no reason to end the run
+                print(f"warning: {e}. Training goes on.", file=sys.stderr)
+                if not evaluate:
+                    continue
+                paths = []
+                returns = play_episodes(self.flags, self.model, games, seed)
             row = {"video_episode_return": returns[0]} if paths else {}
             if evaluate:
                 row.update(eval_mean_episode_return=float(np.mean(returns)),
@@ -754,8 +761,12 @@ def test(flags, variant):
     model.load_state_dict(checkpoint["model_state_dict"])
     paths = (video.paths_for_test(run_dir.videos_dir, checkpoint["step"], flags.test_episodes)
              if flags.record_video else [])
-    returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345,
-                            video_paths=paths)
+    try:
+        returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345,
+                                video_paths=paths)
+    except video.VideoError as e:
+        raise UserError(f"{e}; videos finished before it stay in "
+                        f"{run_dir.videos_dir}.") from None
     print(f"Played {len(returns)} episodes ({flags.eval_policy} actions) with the checkpoint "
           f"of step {checkpoint['step']}: "
           f"mean return {np.mean(returns):.2f} (min {np.min(returns):.1f}, "

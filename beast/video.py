@@ -17,6 +17,7 @@ looping GIF of a recorded game (every --every'th frame, scaled by --scale).
 """
 
 import os
+import shutil
 
 import gymnasium
 import numpy as np
@@ -110,36 +111,96 @@ def video_frame(frame):
     return np.ascontiguousarray(frame)
 
 
+class VideoError(OSError):
+    """A video could not be written (a full disk, ffmpeg stopped); its partial file is gone."""
+
+
 class VideoWriter:
     """One MP4, written frame by frame (never held in memory: a game can last 27000 steps).
 
     The file is written as NAME.part.mp4 and renamed to `path` by close(), so a video that
-    exists is whole; a crash leaves only the .part file.
+    exists is whole; a crash leaves only the .part file. A write that fails raises
+    VideoError and removes the partial file.
     """
 
     def __init__(self, path, fps):
         # Imported here: runs that record nothing need neither imageio nor ffmpeg.
         import imageio.v2 as imageio
 
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.partial_path = f"{os.path.splitext(path)[0]}.part.mp4"
         self.frames = 0
-        # macro_block_size=1: video_frame already makes the sizes even, and imageio's default
-        # (16) would rescale the screen.
-        self._writer = imageio.get_writer(
-            self.partial_path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
-            pixelformat="yuv420p", macro_block_size=1, ffmpeg_log_level="error")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # macro_block_size=1: video_frame already makes the sizes even, and imageio's
+            # default (16) would rescale the screen.
+            self._writer = imageio.get_writer(
+                self.partial_path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
+                pixelformat="yuv420p", macro_block_size=1, ffmpeg_log_level="error")
+        except OSError as e:
+            raise self._failed(e.strerror or e) from e
 
     def append(self, frame):
-        self._writer.append_data(video_frame(frame))
+        try:
+            self._writer.append_data(video_frame(frame))
+        except OSError as e:  # imageio's, when ffmpeg has stopped: its message is above
+            raise self._failed(e.strerror) from e
         self.frames += 1
 
     def close(self):
         """Finishes the file; returns its path."""
-        self._writer.close()
+        try:
+            self._writer.close()
+        except OSError as e:
+            raise self._failed(e.strerror) from e
+        # ffmpeg reports a failed finish (no room for the index at the end) on its stderr
+        # only, and imageio does not look at its exit code: the file itself tells.
+        if not whole_mp4(self.partial_path):
+            raise self._failed(None)
         os.replace(self.partial_path, self.path)
         return self.path
+
+    def _failed(self, reason):
+        """Stops ffmpeg, removes the partial file; the VideoError to raise."""
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                pass  # ffmpeg has failed already; its message says why
+        if os.path.exists(self.partial_path):
+            os.remove(self.partial_path)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if reason is None:
+            reason = "ffmpeg could not finish it (its message is above)"
+        if os.path.isdir(directory) and shutil.disk_usage(directory).free == 0:
+            reason += "; the disk is full"
+        return VideoError(f"cannot write the video {self.path}: {reason}")
+
+
+def whole_mp4(path):
+    """Whether the MP4 at path is complete: its top-level boxes (4-byte big-endian size,
+    4-byte type) tile the file exactly, and one of them is the index ("moov"), which
+    ffmpeg writes last."""
+    try:
+        size = os.path.getsize(path)
+        boxes, offset = set(), 0
+        with open(path, "rb") as f:
+            while offset < size:
+                f.seek(offset)
+                header = f.read(16)
+                if len(header) < 8:
+                    return False
+                length, kind = int.from_bytes(header[:4], "big"), header[4:8]
+                if length == 1 and len(header) == 16:  # a 64-bit size follows
+                    length = int.from_bytes(header[8:16], "big")
+                if length < 8:  # 0 ("to the end") is not what ffmpeg writes
+                    return False
+                boxes.add(kind)
+                offset += length
+    except OSError:
+        return False
+    return offset == size and b"moov" in boxes
 
 
 class EpisodeRecorder(gymnasium.Wrapper):
@@ -163,16 +224,23 @@ class EpisodeRecorder(gymnasium.Wrapper):
         if self._writer is None and self.paths:
             self._writer = VideoWriter(self.paths.pop(0), self.fps)
         if self._writer is not None:  # a new game, or the same one after a lost life
-            self._writer.append(self.env.render())
+            self._record()
         return obs, info
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         if self._writer is not None:
-            self._writer.append(self.env.render())
+            self._record()
             if info.get("game_over", terminated or truncated):
                 self._finish()
         return obs, reward, terminated, truncated, info
+
+    def _record(self):
+        try:
+            self._writer.append(self.env.render())
+        except VideoError:
+            self._writer = None  # it has stopped and removed its partial file
+            raise
 
     def _finish(self):
         writer, self._writer = self._writer, None

@@ -163,3 +163,54 @@ def test_bad_video_flags_are_reported_together(tmp_path):
                  "pip install imageio-ffmpeg"):
         assert text in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_whole_mp4_tells_a_finished_video_from_a_cut_one(tmp_path):
+    path = str(tmp_path / "game.mp4")
+    writer = video.VideoWriter(path, fps=30)
+    for i in range(10):
+        writer.append(np.full((32, 32, 3), 20 * i, np.uint8))
+    assert writer.close() == path and video.whole_mp4(path)
+    data = open(path, "rb").read()
+    for name, cut in (("half", data[: len(data) // 2]), ("no_index", data[:-8]),
+                      ("empty", b""), ("junk", b"\xff" * 100)):
+        (tmp_path / name).write_bytes(cut)
+        assert not video.whole_mp4(str(tmp_path / name)), name
+    assert not video.whole_mp4(str(tmp_path / "missing"))
+
+
+def test_a_video_on_a_full_disk_is_one_error_and_no_file(small_disk):
+    """Whether ffmpeg stops at a frame or cannot finish the file, the writer raises
+    VideoError saying the disk is full, and neither the video nor its .part file stays."""
+    videos = os.path.join(small_disk.path, "videos")
+    os.mkdir(videos)
+    small_disk.fill()
+    rng = np.random.default_rng(0)
+    writer = video.VideoWriter(os.path.join(videos, "game.mp4"), fps=30)
+    with pytest.raises(video.VideoError, match=r"cannot write the video .*game.mp4: .*disk is full"):
+        for _ in range(200):  # noise: it does not compress
+            writer.append(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8))
+        writer.close()
+    assert os.listdir(videos) == []
+
+
+def test_a_video_that_cannot_be_written_does_not_end_training(tmp_path):
+    """Evaluation videos that fail (here: a file where the videos folder should be) are a
+    warning: training and the evaluations go on. --mode test ends with one message."""
+    (tmp_path / "cp").mkdir()
+    (tmp_path / "cp" / "videos").write_text("not a folder")
+    result = run("monobeast", tmp_path, "--env", "CartPole-v1", "--xpid", "cp",
+                 "--num_actors", 1, "--total_steps", 2560, "--log_interval_steps", 1280,
+                 "--eval_video_interval_steps", 1280, "--eval_interval_steps", 1280,
+                 "--eval_episodes", 1)
+    assert result.stderr.count("warning: cannot write the video") == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    with open(tmp_path / "cp" / "logs.csv") as f:
+        rows = list(csv.DictReader(f))
+    evaluated = [int(r["step"]) for r in rows if r.get("eval_mean_episode_return")]
+    assert evaluated == [1280, 2560]
+    assert not any(r.get("video_episode_return") for r in rows)
+    test = run("monobeast", tmp_path, "--mode", "test", "--xpid", "cp", "--record_video",
+               check=False)
+    assert test.returncode == 2 and "Traceback" not in test.stderr
+    assert test.stderr.startswith("error: cannot write the video"), test.stderr
