@@ -19,6 +19,11 @@ Every stream gets its own environment, seeded from (--seed, server index, stream
 reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C stops the servers
 and exits with status 0.
 
+A server process that dies while serving (a crash in an environment's C code, the OOM killer) is
+started again on its address, with fresh seeds, and the learner's actor thread reconnects to it.
+One that dies within QUICK_EXIT_S of its first start, or of three restarts in a row, never came
+up (an import error, an address it cannot take): then every server stops and the exit status is 1.
+
 The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
 once in beast/flags.py (add_env_flags); a learner passes its values with beast.flags.env_flag_args.
 Those left at None take the learners' default for the environment's kind (beast.flags.ENV_DEFAULTS).
@@ -31,11 +36,18 @@ import signal
 import stat
 import sys
 import threading
+import time
 
 import numpy as np
 
 from beast import flags as beast_flags
 from beast.flags import is_loopback, socket_path, split_host_port
+
+
+# A server that exits within this many seconds of starting did not come up.
+QUICK_EXIT_S = 5.0
+# Restarted servers that exit this many times in a row within QUICK_EXIT_S: give up.
+MAX_QUICK_RESTARTS = 3
 
 
 def make_parser():
@@ -110,9 +122,10 @@ class EnvFactory:
     one gymnasium environment, else a beast.vector_envs VectorEnv (always for EnvPool). The
     server's own --envs_per_stream, when given, wins over the request."""
 
-    def __init__(self, flags, server_index):
+    def __init__(self, flags, server_index, life=0):
         self.flags = flags
         self.server_index = server_index
+        self.life = life  # how often this server was restarted: new seeds each time
         self.streams = 0
 
     def __call__(self, envs_per_stream=None):
@@ -120,8 +133,8 @@ class EnvFactory:
         from beast import envs, vector_envs
 
         # Below 2**31: some environments (MinAtar's NumPy seeding) refuse larger seeds.
-        seed = int(np.random.SeedSequence(
-            [self.flags.seed, self.server_index, self.streams]).generate_state(1)[0] % 2**31)
+        entropy = [self.flags.seed, self.server_index, self.streams] + [self.life] * (self.life > 0)
+        seed = int(np.random.SeedSequence(entropy).generate_state(1)[0] % 2**31)
         self.streams += 1
         if self.flags.envs_per_stream is not None:
             num_envs, why = self.flags.envs_per_stream, "--envs_per_stream"
@@ -137,11 +150,11 @@ class EnvFactory:
                                              name=f"env server {self.server_index}")
 
 
-def serve(flags, address, server_index=0):
+def serve(flags, address, server_index=0, life=0):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
     flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream
-    (None: what the learner asks for, else 1).
+    (None: what the learner asks for, else 1). life: how often this server was restarted.
     Usable as a multiprocessing target.
     """
     import libpolybeast
@@ -149,7 +162,7 @@ def serve(flags, address, server_index=0):
     if not is_loopback(address):
         print(f"polybeast_env: warning: listening on {address}, which other machines can reach; "
               "the traffic is neither authenticated nor encrypted.", file=sys.stderr, flush=True)
-    server = libpolybeast.EnvServer(EnvFactory(flags, server_index), address)
+    server = libpolybeast.EnvServer(EnvFactory(flags, server_index, life), address)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:
@@ -201,37 +214,78 @@ def main(argv=None):
         sys.exit(f"polybeast_env: {error}")
 
     # spawn, not fork: each server starts its own gRPC runtime from scratch.
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=serve, args=(flags, address, i), name=f"env-server-{i}")
-                 for i, address in enumerate(addresses)]
+    servers = [ServerProcess(multiprocessing.get_context("spawn"), flags, address, i)
+               for i, address in enumerate(addresses)]
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     failed = None
     try:
-        for process in processes:
-            process.start()
+        for server in servers:
+            server.start()
         print(f"polybeast_env: serving {flags.env} at {', '.join(addresses)}", flush=True)
         while not stop.wait(0.5):
             if flags.exit_with_parent and os.getppid() != parent:
                 print("polybeast_env: the process that started us is gone; stopping",
                       file=sys.stderr, flush=True)
                 break
-            failed = next((p for p in processes if not p.is_alive()), None)
+            failed = next((s for s in servers if not s.revive()), None)
             if failed is not None:
-                print(f"polybeast_env: {failed.name} exited with status {failed.exitcode}; "
-                      "stopping the others", file=sys.stderr, flush=True)
                 break
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()  # SIGTERM: the server stops and the process exits 0
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
+        for server in servers:
+            server.terminate()  # SIGTERM: the server stops and the process exits 0
+        for server in servers:
+            server.join()
     sys.exit(1 if failed is not None else 0)
+
+
+class ServerProcess:
+    """One server's process, started again when it dies while serving (module docstring)."""
+
+    def __init__(self, context, flags, address, index):
+        self.context, self.flags, self.address, self.index = context, flags, address, index
+        self.name = f"env-server-{index}"
+        self.life = 0  # restarts so far
+        self.quick_exits = 0  # restarts in a row that exited within QUICK_EXIT_S
+        self.process = None
+
+    def start(self):
+        self.process = self.context.Process(
+            target=serve, args=(self.flags, self.address, self.index, self.life), name=self.name)
+        self.started = time.monotonic()
+        self.process.start()
+
+    def revive(self):
+        """Starts the server again if it died; False if it keeps dying (it is not started)."""
+        if self.process.is_alive():
+            return True
+        status = self.process.exitcode
+        ran = time.monotonic() - self.started
+        self.quick_exits = self.quick_exits + 1 if ran < QUICK_EXIT_S else 0
+        if (self.life == 0 and ran < QUICK_EXIT_S) or self.quick_exits >= MAX_QUICK_RESTARTS:
+            again = f", after {self.quick_exits} restarts in a row" if self.life else ""
+            print(f"polybeast_env: {self.name} exited with status {status} within "
+                  f"{QUICK_EXIT_S:g} s of starting{again}; stopping the others",
+                  file=sys.stderr, flush=True)
+            return False
+        self.life += 1
+        print(f"polybeast_env: {self.name} exited with status {status} after {ran:.0f} s of "
+              f"serving; starting it again (restart {self.life})", file=sys.stderr, flush=True)
+        self.start()
+        return True
+
+    def terminate(self):
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+
+    def join(self):
+        if self.process is None:
+            return
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import polybeast
+import polybeast_env
 from beast import checkpoint as ckpt
 from beast import runlog
 
@@ -450,6 +451,72 @@ def test_env_server_killed_and_restarted(tmp_path, scheme):
     rows = logs(run_dir)
     assert int(rows[-1]["step"]) == 20000 > steps_at_kill
     assert checkpoint_step(run_dir) == 20000
+
+
+def server_processes(pid):
+    """The env server processes (polybeast_env's spawned children) below pid."""
+    return [p for p, command in zip(descendants(pid), server_commands(descendants(pid)))
+            if "spawn_main" in command]
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_server_process_is_started_again(tmp_path):
+    """A server process of the run's own that dies (here SIGKILL, as from the OOM killer or
+    a crash in an environment's C code) is started again, its actor reconnects, and the run
+    goes on to a clean stop."""
+    run_dir = tmp_path / "runs" / "run"
+    started = time.monotonic()
+    process = start(tmp_path, "learner", *polybeast_args(
+        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
+        "--log_interval_steps", "500"))
+    try:
+        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
+                 lambda: output(tmp_path, "learner"))
+        # Serving for longer than a server that never came up would have.
+        time.sleep(max(0.0, polybeast_env.QUICK_EXIT_S + 1 - (time.monotonic() - started)))
+        first = server_processes(process.pid)
+        assert len(first) == 2, server_commands(descendants(process.pid))
+        os.kill(first[0], signal.SIGKILL)
+        steps_at_kill = last_step(run_dir)
+        wait_for(lambda: "reconnected" in output(tmp_path, "learner"), "the actor to reconnect",
+                 process, lambda: output(tmp_path, "learner"))
+        wait_for(lambda: last_step(run_dir) > steps_at_kill + 20000, "training to go on",
+                 process, lambda: output(tmp_path, "learner"))
+        now = server_processes(process.pid)
+        assert first[1] in now and first[0] not in now and len(now) == 2
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    err = output(tmp_path, "learner")
+    assert process.returncode == 0, err
+    assert "env-server-0 exited with status -9" in err and "(restart 1)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_a_server_that_keeps_dying_stops_polybeast_env(tmp_path):
+    """Restarts are for servers that served: one that dies again within QUICK_EXIT_S of
+    each of MAX_QUICK_RESTARTS restarts in a row is given up, and polybeast_env exits 1."""
+    server = start(tmp_path, "server", "polybeast_env", "--env", "CartPole-v1",
+                   "--num_servers", "1", "--pipes_basename", f"unix:{tmp_path}/env")
+    try:
+        wait_for((tmp_path / "env.0").exists, "the server's socket", server,
+                 lambda: output(tmp_path, "server"))
+        time.sleep(polybeast_env.QUICK_EXIT_S + 0.5)
+        killed = []
+        for _ in range(polybeast_env.MAX_QUICK_RESTARTS + 1):
+            pid = wait_for(lambda: [p for p in server_processes(server.pid) if p not in killed],
+                           "a server process", server, lambda: output(tmp_path, "server"))[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        server.wait(WAIT_S)
+    finally:
+        stop_group(server, signal.SIGKILL)
+    err = output(tmp_path, "server")
+    assert server.returncode == 1, err
+    assert err.count("starting it again") == polybeast_env.MAX_QUICK_RESTARTS
+    assert f"after {polybeast_env.MAX_QUICK_RESTARTS} restarts in a row" in err
 
 
 def test_unreachable_servers_end_the_run_with_one_message(tmp_path):
