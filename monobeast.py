@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -158,16 +159,17 @@ class Sampler:
 
 
 def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
-        error_count):
-    """Actor process: takes free buffer indices, fills them, hands them on."""
+        error_count, restarts=0):
+    """Actor process: takes free buffer indices, fills them, hands them on.
+    restarts: how often the actors were started again (train_parallel): new seeds each time."""
     # Ctrl-C goes to the whole process group; the learner decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     training.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
-    torch.manual_seed(flags.seed * 7919 + actor_index)
+    torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * restarts)
     sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
-                      seed=flags.seed * 100 + actor_index, error_count=error_count,
-                      name=f"actor {actor_index}")
+                      seed=flags.seed * 100 + actor_index + 1_000_003 * restarts,
+                      error_count=error_count, name=f"actor {actor_index}")
     try:
         while True:
             indices = []
@@ -212,12 +214,23 @@ def to_device(batch, state, device):
     return batch, state
 
 
+class ActorDied(RuntimeError):
+    """An actor process ended before it was told to."""
+
+    def __init__(self, index, exitcode):
+        self.exitcode = exitcode
+        if exitcode < 0:
+            how = f"was killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+        else:
+            how = f"died with exit code {exitcode}; its traceback is above"
+        super().__init__(f"Actor process {index} {how}.")
+
+
 def check_actors(actors):
-    """Raises if an actor process has died."""
+    """Raises ActorDied if an actor process has died."""
     for i, process in enumerate(actors):
         if process.exitcode not in (None, 0):
-            raise RuntimeError(f"Actor process {i} died with exit code "
-                               f"{process.exitcode}; its traceback is above.")
+            raise ActorDied(i, process.exitcode)
 
 
 # ----------------------------------------------------------------------------
@@ -511,41 +524,100 @@ def train_loop(run, model, environments):
             train_parallel(run, model, buffers, state_buffers)
 
 
+# The actors are started again when one is killed by a signal (the OOM killer, a crash
+# in an environment's C code), unless it happened within QUICK_EXIT_S of their start on
+# the first start, or after MAX_QUICK_RESTARTS restarts in a row: then they never came up.
+# An actor that raised (exit code 1) stops the run: its traceback shows a bug.
+QUICK_EXIT_S = 5.0
+MAX_QUICK_RESTARTS = 3
+
+
 def train_parallel(run, model, buffers, state_buffers):
-    """Actor processes fill buffers; learner threads in this process learn on them."""
-    flags = run.flags
-    ctx = mp.get_context("fork")
-    free_queue, full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
-    error_count = ctx.Value("i", 0)
-    actors = [ctx.Process(target=act, name=f"actor-{i}", daemon=True,
-                          args=(i, flags, free_queue, full_queue, model, run.schema, buffers,
-                                state_buffers, error_count))
-              for i in range(flags.num_actors)]
-    for process in actors:
-        process.start()
-    for m in range(flags.num_buffers):
-        free_queue.put(m)
+    """Actor processes fill buffers; learner threads in this process learn on them.
 
-    def batches():
-        return iter(lambda: get_batch(flags, full_queue, free_queue, buffers, state_buffers,
-                                      run.device), None)
+    When an actor process is killed, the queues may be left locked by it (it dies
+    waiting on one, holding its lock), so the whole acting side is started again: the
+    other actors and the learner threads are stopped, the rollouts in flight dropped, and
+    fresh actors act with the learned weights on new queues and freshly seeded
+    environments."""
+    restarts, quick, env_errors = 0, 0, 0
+    while True:
+        acting = Acting(run, model, buffers, state_buffers, restarts, env_errors)
+        died = None
+        try:
+            run.supervise(acting.threads, acting.check, env_errors=acting.env_errors)
+            return
+        except ActorDied as e:
+            died = e
+            ran = time.monotonic() - acting.started
+            quick = quick + 1 if ran < QUICK_EXIT_S else 0
+            if died.exitcode > 0:
+                raise training.UserError(str(died)) from None
+            if restarts == 0 and ran < QUICK_EXIT_S:
+                raise training.UserError(f"{died} The actors had run for {ran:.1f} s: they "
+                                         "did not come up, so they are not started again.")
+            if quick >= MAX_QUICK_RESTARTS:
+                raise training.UserError(
+                    f"{died} The last {quick} starts of the actors each ended within "
+                    f"{QUICK_EXIT_S:g} s: they are not started again.")
+            restarts += 1
+            print(f"\nwarning: {died} Starting the actors again (restart {restarts}); the "
+                  "rollouts in flight are dropped, the weights kept.", file=sys.stderr)
+        finally:
+            env_errors = acting.stop(kill=died is not None)
 
-    threads = [run.errors.thread(f"learner-{i}", run.learner_thread, batches())
-               for i in range(flags.num_learner_threads)]
-    for thread in threads:
-        thread.start()
-    try:
-        run.supervise(threads, lambda: check_actors(actors), env_errors=lambda: error_count.value)
-    finally:
-        # Stop the actors first so no one waits on a queue that nobody feeds.
-        for _ in range(flags.num_actors * flags.envs_per_actor):
-            free_queue.put(None)
-        for _ in threads:
+
+class Acting:
+    """One start of the actor processes, their queues and the learner threads."""
+
+    def __init__(self, run, model, buffers, state_buffers, restarts=0, env_errors=0):
+        flags = self.flags = run.flags
+        ctx = mp.get_context("fork")
+        self.free_queue, self.full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
+        self.error_count = ctx.Value("i", 0)
+        self.env_errors_before = env_errors
+        self.actors = [
+            ctx.Process(target=act, name=f"actor-{i}", daemon=True,
+                        args=(i, flags, self.free_queue, self.full_queue, model, run.schema,
+                              buffers, state_buffers, self.error_count, restarts))
+            for i in range(flags.num_actors)]
+        self.started = time.monotonic()
+        for process in self.actors:
+            process.start()
+        for m in range(flags.num_buffers):
+            self.free_queue.put(m)
+        batches = iter(lambda: get_batch(flags, self.full_queue, self.free_queue, buffers,
+                                         state_buffers, run.device), None)
+        self.threads = [run.errors.thread(f"learner-{i}", run.learner_thread, batches)
+                        for i in range(flags.num_learner_threads)]
+        for thread in self.threads:
+            thread.start()
+
+    def check(self):
+        check_actors(self.actors)
+
+    def env_errors(self):
+        # Without the counter's lock: a killed actor may have held it.
+        return self.env_errors_before + self.error_count.get_obj().value
+
+    def stop(self, kill=False):
+        """Stops the actors and the learner threads; returns the environment errors so far.
+        kill: after an actor died, the others are killed rather than asked, since the dead
+        one may hold the lock of the queue they wait on."""
+        flags = self.flags
+        if kill:
+            for process in self.actors:
+                process.kill()
+        else:  # the actors first, so no one waits on a queue that nobody feeds
+            for _ in range(flags.num_actors * flags.envs_per_actor):
+                self.free_queue.put(None)
+        for _ in self.threads:
             for _ in range(flags.batch_size):
-                full_queue.put(None)
-        for thread in threads:
+                self.full_queue.put(None)
+        for thread in self.threads:
             thread.join(timeout=60)
-        join_actors(actors)
+        join_actors(self.actors)
+        return self.env_errors()
 
 
 def train_serial(run, model, buffers, state_buffers):

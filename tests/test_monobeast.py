@@ -275,6 +275,86 @@ def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
     assert f"from step {saved}" in resumed.stderr
 
 
+def actor_pids(pid):
+    """The actor processes of the learner `pid` (forked: its children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def start_monobeast(tmp_path, *args, env=None):
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--no_progress",
+           *map(str, args)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def wait_for_steps(process, run_dir, steps):
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        if (run_dir / "logs.csv").exists() and int(read_logs(run_dir)[-1]["step"]) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not {steps} steps in 120 s")
+
+
+def test_a_killed_actor_is_started_again(tmp_path):
+    """An actor process killed by a signal (the OOM killer, a crash in C code) does not end
+    the run: the actors start again and training goes on to a clean stop."""
+    proc = start_monobeast(tmp_path, "--xpid", "k", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000)
+    run_dir = tmp_path / "k"
+    try:
+        wait_for_steps(proc, run_dir, 1)
+        time.sleep(monobeast.QUICK_EXIT_S + 1)  # the actors serve longer than a failed start
+        first = actor_pids(proc.pid)
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        steps_at_kill = int(read_logs(run_dir)[-1]["step"])
+        wait_for_steps(proc, run_dir, steps_at_kill + 50_000)
+        now = actor_pids(proc.pid)
+        assert len(now) == 2 and not set(now) & set(first)  # all of them started again
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "Actor process 0 was killed by signal 9 (SIGKILL)" in stderr
+    assert "(restart 1)" in stderr and "Traceback" not in stderr
+
+
+def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
+    """Actors that die within QUICK_EXIT_S of their first start never came up: one message.
+    After a run of restarts that each die as quickly, the same."""
+    marker = tmp_path / "crash"
+    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker))
+    flags = ["--env", "tests.crash_env:CrashingCartPole-v0", "--total_steps", 100_000_000,
+             "--log_interval_steps", 2000]
+    marker.touch()  # every step kills its actor, from the start
+    result = subprocess.run([sys.executable, "-m", "monobeast", "--savedir", str(tmp_path),
+                             "--xpid", "early", "--no_progress", *map(str, flags)], cwd=REPO,
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "was killed by signal 9 (SIGKILL)" in result.stderr
+    assert "did not come up" in result.stderr and "restart 1" not in result.stderr
+    marker.unlink()
+    proc = start_monobeast(tmp_path, "--xpid", "late", *flags, env=env)
+    try:
+        wait_for_steps(proc, tmp_path / "late", 1)
+        time.sleep(monobeast.QUICK_EXIT_S + 1)
+        marker.touch()  # from now on every start of the actors dies at once
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+    restarts = monobeast.MAX_QUICK_RESTARTS
+    assert f"(restart {restarts})" in stderr and f"(restart {restarts + 1})" not in stderr
+    assert f"The last {restarts} starts of the actors each ended within" in stderr
+    assert ckpt.load_checkpoint(str(tmp_path / "late" / "model.tar"))["step"] > 0
+
+
 def test_serial_mode(tmp_path):
     """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
     newest weights, except its step 0, which is the previous unroll's last step, acted before
