@@ -220,7 +220,11 @@ class ActorDied(RuntimeError):
     def __init__(self, index, exitcode):
         self.exitcode = exitcode
         if exitcode < 0:
-            how = f"was killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
+            try:
+                name = f" ({signal.Signals(-exitcode).name})"
+            except ValueError:  # a real-time signal has no name
+                name = ""
+            how = f"was killed by signal {-exitcode}{name}"
         else:
             how = f"died with exit code {exitcode}; its traceback is above"
         super().__init__(f"Actor process {index} {how}.")

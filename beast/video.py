@@ -172,7 +172,7 @@ class VideoWriter:
             os.remove(self.partial_path)
         directory = os.path.dirname(os.path.abspath(self.path))
         if reason is None:
-            reason = "ffmpeg could not finish it (its message is above)"
+            reason = "ffmpeg stopped (its message is above)"
         if os.path.isdir(directory) and shutil.disk_usage(directory).free == 0:
             reason += "; the disk is full"
         return VideoError(f"cannot write the video {self.path}: {reason}")
