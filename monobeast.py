@@ -435,7 +435,13 @@ def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
     restarts = [0] * flags.num_actors  # each actor's, as of the last rollout learned
 
     def give_up():
-        check_actors(actors)
+        try:
+            check_actors(actors)
+        except ActorDied as died:
+            # Started again, the actors would act on another schedule: no restarts here.
+            raise training.UserError(f"{died} With --deterministic the actors are not "
+                                     "started again; the same command resumes the run from "
+                                     "its checkpoint.") from None
         return run.stop.is_set()
 
     update = 0

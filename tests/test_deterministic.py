@@ -140,3 +140,17 @@ def test_ctrl_c_stops_a_deterministic_run_cleanly(tmp_path):
     assert proc.returncode == 0, stderr
     assert ckpt.load_checkpoint(str(tmp_path / "s" / "model.tar"))["step"] >= 2000
     assert "--xpid s" in stderr
+
+
+def test_a_dead_actor_ends_a_deterministic_run_with_one_message(tmp_path):
+    """Restarted actors would act on another schedule: --deterministic is not restarted."""
+    marker = tmp_path / "crash"
+    marker.touch()  # tests/crash_env.py: every step kills its actor process
+    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker))
+    result = subprocess.run(
+        [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "d",
+         "--no_progress", "--deterministic", "--env", "tests.crash_env:CrashingCartPole-v0",
+         "--total_steps", "100000"], cwd=REPO, capture_output=True, text=True, env=env,
+        timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "was killed by signal 9 (SIGKILL). With --deterministic" in result.stderr
