@@ -54,6 +54,10 @@ def make_parser():
                         help="Shared-memory rollout buffers "
                              "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size); "
                              "with --deterministic the fewest its schedule needs).")
+    parser.add_argument("--actor_timeout_s", type=float, default=30.0,
+                        help="Kill and start the actors again when one has been stepping its "
+                             "environments for this long without finishing a step (a hung "
+                             "environment). 0: never. Not with --deterministic.")
     parser.add_argument("--deterministic", action="store_true",
                         help="Reproducible runs with actor processes: every batch comes from "
                              "a fixed set of rollouts, acted with the weights of a fixed "
@@ -91,8 +95,12 @@ class Sampler:
     """
 
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
-                 error_count=None, name="actor"):
+                 error_count=None, name="actor", stepping=None):
         self.flags = flags
+        # Where this actor says since when it has been stepping (time.time(); 0: it is not),
+        # for the learner's watchdog (Acting.check); None: nobody watches.
+        self.stepping = stepping
+        self._stepping(True)
         self.model = model
         self.num_envs = num_envs
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
@@ -105,6 +113,7 @@ class Sampler:
         self.current = schema.zeros((num_envs,), source="env")
         self.current_torch = {k: torch.from_numpy(v) for k, v in self.current.items()}
         self._store(self.envs.initial())
+        self._stepping(False)
         self.agent_state = model.initial_state(num_envs)
         # State before the forward pass that produced the pending agent output.
         self.state_before = self.agent_state
@@ -140,7 +149,13 @@ class Sampler:
             self.buffers[key][t, indices] = value
 
     def _step_envs(self):
+        self._stepping(True)
         self._store(self.envs.step(self.agent_output["action"]))
+        self._stepping(False)
+
+    def _stepping(self, now):
+        if self.stepping is not None:
+            self.stepping.value = time.time() if now else 0.0
 
     def unroll(self, indices):
         """Fills buffers [0..T, indices]: step 0 repeats the last step of the
@@ -159,9 +174,10 @@ class Sampler:
 
 
 def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
-        error_count, restarts=0):
+        error_count, restarts=0, stepping=None):
     """Actor process: takes free buffer indices, fills them, hands them on.
-    restarts: how often the actors were started again (train_parallel): new seeds each time."""
+    restarts: how often the actors were started again (train_parallel): new seeds each time.
+    stepping: the shared value the actor's Sampler writes for the watchdog."""
     # Ctrl-C goes to the whole process group; the learner decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     training.name_os_thread(f"actor-{actor_index}")
@@ -169,7 +185,8 @@ def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, stat
     torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * restarts)
     sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
                       seed=flags.seed * 100 + actor_index + 1_000_003 * restarts,
-                      error_count=error_count, name=f"actor {actor_index}")
+                      error_count=error_count, name=f"actor {actor_index}",
+                      stepping=stepping)
     try:
         while True:
             indices = []
@@ -215,11 +232,14 @@ def to_device(batch, state, device):
 
 
 class ActorDied(RuntimeError):
-    """An actor process ended before it was told to."""
+    """An actor process ended before it was told to (or hung, and was killed)."""
 
-    def __init__(self, index, exitcode):
+    def __init__(self, index, exitcode, hung_s=None):
         self.exitcode = exitcode
-        if exitcode < 0:
+        if hung_s is not None:
+            how = (f"had been stepping its environments for {hung_s:.0f} s without finishing "
+                   "a step (--actor_timeout_s), and was killed")
+        elif exitcode < 0:
             try:
                 name = f" ({signal.Signals(-exitcode).name})"
             except ValueError:  # a real-time signal has no name
@@ -503,6 +523,9 @@ def check_flags(flags, info):
                         "raise it or leave it to its default.")
     if flags.num_actors < 0:
         problems.append(f"--num_actors must not be negative (got {flags.num_actors}).")
+    if not flags.actor_timeout_s >= 0:
+        problems.append(f"--actor_timeout_s must be 0 (never) or positive "
+                        f"(got {flags.actor_timeout_s}).")
     if flags.envs_per_actor < 1:
         problems.append(f"--envs_per_actor must be at least 1 (got {flags.envs_per_actor}).")
     if flags.num_buffers < flags.batch_size:
@@ -586,10 +609,13 @@ class Acting:
         self.free_queue, self.full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
         self.error_count = ctx.Value("i", 0)
         self.env_errors_before = env_errors
+        # Lock-free: one writer each, and a killed actor must not leave a lock held.
+        self.stepping = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
         self.actors = [
             ctx.Process(target=act, name=f"actor-{i}", daemon=True,
                         args=(i, flags, self.free_queue, self.full_queue, model, run.schema,
-                              buffers, state_buffers, self.error_count, restarts))
+                              buffers, state_buffers, self.error_count, restarts,
+                              self.stepping[i]))
             for i in range(flags.num_actors)]
         self.started = time.monotonic()
         for process in self.actors:
@@ -604,7 +630,13 @@ class Acting:
             thread.start()
 
     def check(self):
+        """Raises ActorDied for an actor that died, or that hangs (it is killed first)."""
         check_actors(self.actors)
+        timeout = self.flags.actor_timeout_s
+        for i, since in enumerate(value.value for value in self.stepping):
+            if timeout > 0 and since > 0 and time.time() - since > timeout:
+                self.actors[i].kill()
+                raise ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
 
     def env_errors(self):
         # Without the counter's lock: a killed actor may have held it.

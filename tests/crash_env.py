@@ -1,15 +1,31 @@
-"""An environment whose process dies the way a crash in C code or the OOM killer ends it, for
-the tests of actor and server restarts.
+"""Environments whose process dies, or hangs, the way a crash in C code, the OOM killer or a
+deadlock in an environment would, for the tests of actor and server restarts.
 
-Used as `--env tests.crash_env:CrashingCartPole-v0` (importing this module registers the id).
-It is CartPole-v1, except that while the file named by $BEAST_CRASH_MARKER exists, its step
-kills its own process with SIGKILL: no exception, no clean-up, no traceback.
+Used as `--env tests.crash_env:CrashingCartPole-v0` or `HangingCartPole-v0` (importing this
+module registers the ids). Both are CartPole-v1, except that while the file named by
+$BEAST_CRASH_MARKER exists, a step kills its own process with SIGKILL (no exception, no
+clean-up, no traceback), or sleeps for an hour. With $BEAST_CRASH_ONCE set, only the first
+step to find the marker does so: it takes the marker away.
 """
 
 import os
 import signal
+import time
 
 import gymnasium as gym
+
+
+def _marked():
+    marker = os.environ.get("BEAST_CRASH_MARKER")
+    if not marker or not os.path.exists(marker):
+        return False
+    if not os.environ.get("BEAST_CRASH_ONCE"):
+        return True
+    try:
+        os.rename(marker, marker + ".taken")  # atomic: one step of one process wins
+    except OSError:
+        return False
+    return True
 
 
 class CrashingCartPole(gym.Wrapper):
@@ -17,11 +33,21 @@ class CrashingCartPole(gym.Wrapper):
         super().__init__(gym.make("CartPole-v1", render_mode=render_mode))
 
     def step(self, action):
-        marker = os.environ.get("BEAST_CRASH_MARKER")
-        if marker and os.path.exists(marker):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if _marked():
+            self.fail()
         return self.env.step(action)
 
+    def fail(self):
+        os.kill(os.getpid(), signal.SIGKILL)
 
-if "CrashingCartPole-v0" not in gym.registry:  # CartPole-v1's own TimeLimit is inside
-    gym.register("CrashingCartPole-v0", entry_point=CrashingCartPole)
+
+class HangingCartPole(CrashingCartPole):
+    def fail(self):
+        time.sleep(3600)
+
+
+# CartPole-v1's own TimeLimit is inside.
+for _id, _entry in (("CrashingCartPole-v0", CrashingCartPole),
+                    ("HangingCartPole-v0", HangingCartPole)):
+    if _id not in gym.registry:
+        gym.register(_id, entry_point=_entry)

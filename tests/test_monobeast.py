@@ -355,6 +355,37 @@ def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
     assert ckpt.load_checkpoint(str(tmp_path / "late" / "model.tar"))["step"] > 0
 
 
+def test_a_hung_actor_is_killed_and_started_again(tmp_path):
+    """An environment that stops answering (here: one step sleeps for an hour) holds its
+    actor; after --actor_timeout_s the actor is killed and the actors start again."""
+    marker = tmp_path / "hang"
+    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
+    proc = start_monobeast(tmp_path, "--xpid", "h", "--env", "tests.crash_env:HangingCartPole-v0",
+                           "--total_steps", 100_000_000, "--log_interval_steps", 2000,
+                           "--actor_timeout_s", 2, env=env)
+    run_dir = tmp_path / "h"
+    try:
+        wait_for_steps(proc, run_dir, 1)
+        time.sleep(monobeast.QUICK_EXIT_S + 1)
+        first = actor_pids(proc.pid)
+        marker.touch()  # one step of one actor hangs
+        deadline = time.time() + 60
+        while set(actor_pids(proc.pid)) & set(first) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.1)
+        assert not marker.exists()
+        steps_at_restart = int(read_logs(run_dir)[-1]["step"])
+        wait_for_steps(proc, run_dir, steps_at_restart + 50_000)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "without finishing a step (--actor_timeout_s), and was killed" in stderr
+    assert "(restart 1)" in stderr and "Traceback" not in stderr
+
+
 def test_serial_mode(tmp_path):
     """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
     newest weights, except its step 0, which is the previous unroll's last step, acted before
