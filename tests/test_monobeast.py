@@ -5,9 +5,11 @@ user would.
 """
 
 import argparse
+import contextlib
 import csv
 import math
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -160,24 +162,55 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     assert "mean return" in test.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
-    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "s",
-           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000]
-    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def monobeast_running(savedir, *args, env=None):
+    """`python -m monobeast` in the background for the block; killed after it if it runs."""
+    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(savedir), "--no_progress",
+           *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
-        logs = tmp_path / "s" / "logs.csv"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (logs.exists() and len(read_logs(tmp_path / "s")) >= 2):
-            assert proc.poll() is None, proc.communicate()[1]
-            time.sleep(0.2)
-        proc.send_signal(sig)
-        proc.send_signal(sig)  # twice at once, as `timeout` delivers it: still one clean stop
-        _, stderr = proc.communicate(timeout=60)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
+
+
+def stop_with_sigterm(proc):
+    """Its stderr, after a SIGTERM and a clean stop (or the test's timeout)."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=60)[1]
+
+
+def wait_for_rows(proc, run_dir, steps=1, rows=1, checkpoint=False):
+    """Until logs.csv has `rows` rows and reaches `steps` (and model.tar exists)."""
+    run_dir = pathlib.Path(run_dir)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        logged = read_logs(run_dir) if (run_dir / "logs.csv").exists() else []
+        if (len(logged) >= rows and logged and int(logged[-1]["step"]) >= steps
+                and (not checkpoint or (run_dir / "model.tar").exists())):
+            return logged
+        time.sleep(0.2)
+    raise AssertionError(f"not {rows} rows and {steps} steps in {run_dir} in 120 s")
+
+
+def actor_pids(pid):
+    """The actor processes of the learner `pid` (forked: its children)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
+    with monobeast_running(tmp_path, "--xpid", "s", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000) as proc:
+        wait_for_rows(proc, tmp_path / "s", rows=2)
+        proc.send_signal(sig)
+        proc.send_signal(sig)  # twice at once, as `timeout` delivers it: still one clean stop
+        _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     state = ckpt.load_checkpoint(str(tmp_path / "s" / "model.tar"))
     assert state["step"] >= 2000
@@ -187,18 +220,11 @@ def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
 def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
     """One run directory, one training: a second learner on the same --xpid stops with one
     message naming the first, writes nothing, and the first run's resume works after it."""
-    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "busy",
-           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000]
-    first = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "busy"
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (run_dir / "logs.csv").exists():
-            assert first.poll() is None, first.communicate()[1]
-            time.sleep(0.2)
-        before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name == "flags.json"
-                  or p.name == "meta.json"}
+    with monobeast_running(tmp_path, "--xpid", "busy", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000) as first:
+        wait_for_rows(first, run_dir)
+        before = {name: (run_dir / name).read_bytes() for name in ("flags.json", "meta.json")}
         names = sorted(os.listdir(run_dir))
         second = run_monobeast(tmp_path, "--xpid", "busy", "--total_steps", 10_000,
                                check=False, timeout=120)
@@ -209,11 +235,7 @@ def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
         assert sorted(os.listdir(run_dir)) == names  # no flags.json.1, meta.json.1
         assert {name: (run_dir / name).read_bytes() for name in before} == before
         assert first.poll() is None  # the first run goes on
-        first.send_signal(signal.SIGTERM)
-        _, stderr = first.communicate(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
+        stderr = stop_with_sigterm(first)
     assert first.returncode == 0, stderr
     step = ckpt.load_checkpoint(str(run_dir / "model.tar"))["step"]
     # The lock went with the process: the same command now resumes the run.
@@ -225,38 +247,19 @@ def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
     """A disk that fills up while training: the run goes on, the last checkpoint stays
     whole, the rows logged meanwhile are written once there is space. Full again at the
     end: one error that says which step the checkpoint keeps, and a resume from it."""
-    cmd = [sys.executable, "-m", "monobeast", "--savedir", small_disk.path, "--xpid", "full",
-           "--no_progress", "--total_steps", 100_000_000, "--log_interval_steps", 2000,
-           "--checkpoint_interval_s", 1]
-    proc = subprocess.Popen(list(map(str, cmd)), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
     run_dir = os.path.join(small_disk.path, "full")
-
-    def wait_for_rows(n):
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.communicate()[1]
-            if (os.path.exists(os.path.join(run_dir, "model.tar"))
-                    and len(read_logs(run_dir)) >= n):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"fewer than {n} rows, or no checkpoint, in 120 s")
-
-    try:
-        wait_for_rows(3)
+    with monobeast_running(small_disk.path, "--xpid", "full", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000, "--checkpoint_interval_s", 1) as proc:
+        wait_for_rows(proc, run_dir, rows=3, checkpoint=True)
         small_disk.fill()
         time.sleep(4)  # several rows and checkpoint tries while full
         assert proc.poll() is None, proc.communicate()[1]
         rows_while_full = len(read_logs(run_dir))
         small_disk.free()
-        wait_for_rows(rows_while_full + 3)
+        wait_for_rows(proc, run_dir, rows=rows_while_full + 3)
         small_disk.fill()
         time.sleep(2)
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stderr = stop_with_sigterm(proc)
     assert proc.returncode == 2, stderr
     assert "Traceback" not in stderr
     assert "warning: cannot write the checkpoint" in stderr and "Training goes on" in stderr
@@ -275,50 +278,22 @@ def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
     assert f"from step {saved}" in resumed.stderr
 
 
-def actor_pids(pid):
-    """The actor processes of the learner `pid` (forked: its children)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(child) for child in f.read().split()]
-
-
-def start_monobeast(tmp_path, *args, env=None):
-    cmd = [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--no_progress",
-           *map(str, args)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def wait_for_steps(process, run_dir, steps):
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        if (run_dir / "logs.csv").exists() and int(read_logs(run_dir)[-1]["step"]) >= steps:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not {steps} steps in 120 s")
-
-
 def test_a_killed_actor_is_started_again(tmp_path):
     """An actor process killed by a signal (the OOM killer, a crash in C code) does not end
     the run: the actors start again and training goes on to a clean stop."""
-    proc = start_monobeast(tmp_path, "--xpid", "k", "--total_steps", 100_000_000,
-                           "--log_interval_steps", 2000)
     run_dir = tmp_path / "k"
-    try:
-        wait_for_steps(proc, run_dir, 1)
+    with monobeast_running(tmp_path, "--xpid", "k", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000) as proc:
+        wait_for_rows(proc, run_dir)
         time.sleep(monobeast.QUICK_EXIT_S + 1)  # the actors serve longer than a failed start
         first = actor_pids(proc.pid)
         assert len(first) == 2
         os.kill(first[0], signal.SIGKILL)
         steps_at_kill = int(read_logs(run_dir)[-1]["step"])
-        wait_for_steps(proc, run_dir, steps_at_kill + 50_000)
+        wait_for_rows(proc, run_dir, steps=steps_at_kill + 50_000)
         now = actor_pids(proc.pid)
         assert len(now) == 2 and not set(now) & set(first)  # all of them started again
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stderr = stop_with_sigterm(proc)
     assert proc.returncode == 0, stderr
     assert "Actor process 0 was killed by signal 9 (SIGKILL)" in stderr
     assert "(restart 1)" in stderr and "Traceback" not in stderr
@@ -339,15 +314,11 @@ def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
     assert "was killed by signal 9 (SIGKILL)" in result.stderr
     assert "did not come up" in result.stderr and "restart 1" not in result.stderr
     marker.unlink()
-    proc = start_monobeast(tmp_path, "--xpid", "late", *flags, env=env)
-    try:
-        wait_for_steps(proc, tmp_path / "late", 1)
+    with monobeast_running(tmp_path, "--xpid", "late", *flags, env=env) as proc:
+        wait_for_rows(proc, tmp_path / "late")
         time.sleep(monobeast.QUICK_EXIT_S + 1)
         marker.touch()  # from now on every start of the actors dies at once
         _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 2 and "Traceback" not in stderr, stderr
     restarts = monobeast.MAX_QUICK_RESTARTS
     assert f"(restart {restarts})" in stderr and f"(restart {restarts + 1})" not in stderr
@@ -360,12 +331,11 @@ def test_a_hung_actor_is_killed_and_started_again(tmp_path):
     actor; after --actor_timeout_s the actor is killed and the actors start again."""
     marker = tmp_path / "hang"
     env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
-    proc = start_monobeast(tmp_path, "--xpid", "h", "--env", "tests.crash_env:HangingCartPole-v0",
-                           "--total_steps", 100_000_000, "--log_interval_steps", 2000,
-                           "--actor_timeout_s", 2, env=env)
     run_dir = tmp_path / "h"
-    try:
-        wait_for_steps(proc, run_dir, 1)
+    with monobeast_running(tmp_path, "--xpid", "h", "--env", "tests.crash_env:HangingCartPole-v0",
+                           "--total_steps", 100_000_000, "--log_interval_steps", 2000,
+                           "--actor_timeout_s", 2, env=env) as proc:
+        wait_for_rows(proc, run_dir)
         time.sleep(monobeast.QUICK_EXIT_S + 1)
         first = actor_pids(proc.pid)
         marker.touch()  # one step of one actor hangs
@@ -375,12 +345,8 @@ def test_a_hung_actor_is_killed_and_started_again(tmp_path):
             time.sleep(0.1)
         assert not marker.exists()
         steps_at_restart = int(read_logs(run_dir)[-1]["step"])
-        wait_for_steps(proc, run_dir, steps_at_restart + 50_000)
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        wait_for_rows(proc, run_dir, steps=steps_at_restart + 50_000)
+        stderr = stop_with_sigterm(proc)
     assert proc.returncode == 0, stderr
     assert "without finishing a step (--actor_timeout_s), and was killed" in stderr
     assert "(restart 1)" in stderr and "Traceback" not in stderr
