@@ -29,6 +29,7 @@ import torch
 from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
+from beast import restarts
 from beast import rollout
 from beast import training
 from beast import vector_envs
@@ -557,45 +558,32 @@ def train_loop(run, model, environments):
             train_parallel(run, model, buffers, state_buffers)
 
 
-# The actors are started again when one is killed by a signal (the OOM killer, a crash
-# in an environment's C code), unless it happened within QUICK_EXIT_S of their start on
-# the first start, or after MAX_QUICK_RESTARTS restarts in a row: then they never came up.
-# An actor that raised (exit code 1) stops the run: its traceback shows a bug.
-QUICK_EXIT_S = 5.0
-MAX_QUICK_RESTARTS = 3
-
-
 def train_parallel(run, model, buffers, state_buffers):
     """Actor processes fill buffers; learner threads in this process learn on them.
 
-    When an actor process is killed, the queues may be left locked by it (it dies
+    When an actor process is killed (beast/restarts.py says when that is a fault to ride
+    out), the queues may be left locked by it (it dies
     waiting on one, holding its lock), so the whole acting side is started again: the
     other actors and the learner threads are stopped, the rollouts in flight dropped, and
     fresh actors act with the learned weights on new queues and freshly seeded
     environments."""
-    restarts, quick, env_errors = 0, 0, 0
+    policy, env_errors = restarts.RestartPolicy(), 0
     while True:
-        acting = Acting(run, model, buffers, state_buffers, restarts, env_errors)
+        acting = Acting(run, model, buffers, state_buffers, policy.restarts, env_errors)
         died = None
         try:
             run.supervise(acting.threads, acting.check, env_errors=acting.env_errors)
             return
         except ActorDied as e:
             died = e
-            ran = time.monotonic() - acting.started
-            quick = quick + 1 if ran < QUICK_EXIT_S else 0
-            if died.exitcode > 0:
+            if died.exitcode > 0:  # it raised: its traceback shows a bug, not a fault
                 raise training.UserError(str(died)) from None
-            if restarts == 0 and ran < QUICK_EXIT_S:
-                raise training.UserError(f"{died} The actors had run for {ran:.1f} s: they "
-                                         "did not come up, so they are not started again.")
-            if quick >= MAX_QUICK_RESTARTS:
-                raise training.UserError(
-                    f"{died} The last {quick} starts of the actors each ended within "
-                    f"{QUICK_EXIT_S:g} s: they are not started again.")
-            restarts += 1
-            print(f"\nwarning: {died} Starting the actors again (restart {restarts}); the "
-                  "rollouts in flight are dropped, the weights kept.", file=sys.stderr)
+            why_not = policy.why_not(time.monotonic() - acting.started)
+            if why_not is not None:
+                raise training.UserError(f"{died} The actors are not started again: "
+                                         f"{why_not}.") from None
+            print(f"\nwarning: {died} Starting the actors again (restart {policy.restarts}); "
+                  "the rollouts in flight are dropped, the weights kept.", file=sys.stderr)
         finally:
             env_errors = acting.stop(kill=died is not None)
 

@@ -21,8 +21,7 @@ and exits with status 0.
 
 A server process that dies while serving (a crash in an environment's C code, the OOM killer) is
 started again on its address, with fresh seeds, and the learner's actor thread reconnects to it.
-One that dies within QUICK_EXIT_S of its first start, or of three restarts in a row, never came
-up (an import error, an address it cannot take): then every server stops and the exit status is 1.
+One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
 
 The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
 once in beast/flags.py (add_env_flags); a learner passes its values with beast.flags.env_flag_args.
@@ -41,13 +40,8 @@ import time
 import numpy as np
 
 from beast import flags as beast_flags
+from beast import restarts
 from beast.flags import is_loopback, socket_path, split_host_port
-
-
-# A server that exits within this many seconds of starting did not come up.
-QUICK_EXIT_S = 5.0
-# Restarted servers that exit this many times in a row within QUICK_EXIT_S: give up.
-MAX_QUICK_RESTARTS = 3
 
 
 def make_parser():
@@ -246,32 +240,30 @@ class ServerProcess:
     def __init__(self, context, flags, address, index):
         self.context, self.flags, self.address, self.index = context, flags, address, index
         self.name = f"env-server-{index}"
-        self.life = 0  # restarts so far
-        self.quick_exits = 0  # restarts in a row that exited within QUICK_EXIT_S
+        self.policy = restarts.RestartPolicy()
         self.process = None
 
     def start(self):
         self.process = self.context.Process(
-            target=serve, args=(self.flags, self.address, self.index, self.life), name=self.name)
+            target=serve, args=(self.flags, self.address, self.index, self.policy.restarts),
+            name=self.name)
         self.started = time.monotonic()
         self.process.start()
 
     def revive(self):
-        """Starts the server again if it died; False if it keeps dying (it is not started)."""
+        """Starts the server again if it died; False if it never came up (not started)."""
         if self.process.is_alive():
             return True
         status = self.process.exitcode
         ran = time.monotonic() - self.started
-        self.quick_exits = self.quick_exits + 1 if ran < QUICK_EXIT_S else 0
-        if (self.life == 0 and ran < QUICK_EXIT_S) or self.quick_exits >= MAX_QUICK_RESTARTS:
-            again = f", after {self.quick_exits} restarts in a row" if self.life else ""
-            print(f"polybeast_env: {self.name} exited with status {status} within "
-                  f"{QUICK_EXIT_S:g} s of starting{again}; stopping the others",
-                  file=sys.stderr, flush=True)
+        why_not = self.policy.why_not(ran)
+        if why_not is not None:
+            print(f"polybeast_env: {self.name} exited with status {status}; not starting it "
+                  f"again: {why_not}; stopping the others", file=sys.stderr, flush=True)
             return False
-        self.life += 1
         print(f"polybeast_env: {self.name} exited with status {status} after {ran:.0f} s of "
-              f"serving; starting it again (restart {self.life})", file=sys.stderr, flush=True)
+              f"serving; starting it again (restart {self.policy.restarts})",
+              file=sys.stderr, flush=True)
         self.start()
         return True
 

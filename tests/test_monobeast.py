@@ -21,6 +21,7 @@ import torch
 
 import monobeast
 from beast import envs, flags as beast_flags
+from beast import restarts
 from beast import rollout, training
 from beast import checkpoint as ckpt
 
@@ -285,7 +286,7 @@ def test_a_killed_actor_is_started_again(tmp_path):
     with monobeast_running(tmp_path, "--xpid", "k", "--total_steps", 100_000_000,
                            "--log_interval_steps", 2000) as proc:
         wait_for_rows(proc, run_dir)
-        time.sleep(monobeast.QUICK_EXIT_S + 1)  # the actors serve longer than a failed start
+        time.sleep(restarts.QUICK_EXIT_S + 1)  # the actors serve longer than a failed start
         first = actor_pids(proc.pid)
         assert len(first) == 2
         os.kill(first[0], signal.SIGKILL)
@@ -300,7 +301,8 @@ def test_a_killed_actor_is_started_again(tmp_path):
 
 
 def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
-    """Actors that die within QUICK_EXIT_S of their first start never came up: one message.
+    """Actors that die within restarts.QUICK_EXIT_S of their first start never came up: one
+    message.
     After a run of restarts that each die as quickly, the same."""
     marker = tmp_path / "crash"
     env = dict(os.environ, BEAST_CRASH_MARKER=str(marker))
@@ -312,17 +314,17 @@ def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "was killed by signal 9 (SIGKILL)" in result.stderr
-    assert "did not come up" in result.stderr and "restart 1" not in result.stderr
+    assert "too soon to have come up" in result.stderr and "restart 1" not in result.stderr
     marker.unlink()
     with monobeast_running(tmp_path, "--xpid", "late", *flags, env=env) as proc:
         wait_for_rows(proc, tmp_path / "late")
-        time.sleep(monobeast.QUICK_EXIT_S + 1)
+        time.sleep(restarts.QUICK_EXIT_S + 1)
         marker.touch()  # from now on every start of the actors dies at once
         _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in stderr, stderr
-    restarts = monobeast.MAX_QUICK_RESTARTS
-    assert f"(restart {restarts})" in stderr and f"(restart {restarts + 1})" not in stderr
-    assert f"The last {restarts} starts of the actors each ended within" in stderr
+    most = restarts.MAX_QUICK_RESTARTS
+    assert f"(restart {most})" in stderr and f"(restart {most + 1})" not in stderr
+    assert f"not started again: the last {most} starts each ended within" in stderr
     assert ckpt.load_checkpoint(str(tmp_path / "late" / "model.tar"))["step"] > 0
 
 
@@ -336,7 +338,7 @@ def test_a_hung_actor_is_killed_and_started_again(tmp_path):
                            "--total_steps", 100_000_000, "--log_interval_steps", 2000,
                            "--actor_timeout_s", 2, env=env) as proc:
         wait_for_rows(proc, run_dir)
-        time.sleep(monobeast.QUICK_EXIT_S + 1)
+        time.sleep(restarts.QUICK_EXIT_S + 1)
         first = actor_pids(proc.pid)
         marker.touch()  # one step of one actor hangs
         deadline = time.time() + 60

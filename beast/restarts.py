@@ -1,0 +1,31 @@
+"""When a process that died is started again: MonoBeast's actors, PolyBeast's env servers.
+
+A process that dies while it serves (a crash in an environment's C code, the OOM killer, a
+hang that a watchdog ended) is started again. One that dies within QUICK_EXIT_S of its start
+never came up (an import error, an address it cannot take, an environment that crashes at
+once): on its first start that ends the run, and so do MAX_QUICK_RESTARTS such starts in a
+row, rather than a loop of restarts.
+"""
+
+QUICK_EXIT_S = 5.0
+MAX_QUICK_RESTARTS = 3
+
+
+class RestartPolicy:
+    """The restarts of one process (or group of processes), counted."""
+
+    def __init__(self):
+        self.restarts = 0  # starts after the first
+        self.quick = 0  # restarts in a row that ended within QUICK_EXIT_S
+
+    def why_not(self, ran_s):
+        """Called when the process died after ran_s seconds: None to start it again (which
+        counts as a restart), else the reason not to, in words."""
+        quick = ran_s < QUICK_EXIT_S
+        self.quick = self.quick + 1 if quick and self.restarts else 0
+        if quick and not self.restarts:
+            return f"the first start ended after {ran_s:.1f} s, too soon to have come up"
+        if self.quick >= MAX_QUICK_RESTARTS:
+            return f"the last {self.quick} starts each ended within {QUICK_EXIT_S:g} s"
+        self.restarts += 1
+        return None
