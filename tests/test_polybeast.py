@@ -279,18 +279,29 @@ def server_commands(pids):
     return commands
 
 
+def start_training(tmp_path, *args):
+    """A CartPole learner with 2 local servers, as good as endless (the caller stops it);
+    returns the process once logs.csv has a row. args: extra flags."""
+    process = start(tmp_path, "learner", *polybeast_args(
+        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
+        "--log_interval_steps", "500", *args))
+    try:
+        wait_for(lambda: last_step(tmp_path / "runs" / "run") > 0, "a row of logs.csv",
+                 process, lambda: output(tmp_path, "learner"))
+    except BaseException:
+        stop_group(process, signal.SIGKILL)
+        raise
+    return process
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["raw", "grpc"])
 def test_sigterm_stops_everything_and_checkpoints(tmp_path, transport):
     """Also: the servers started here listen at raw:PATH unless --local_transport grpc."""
     run_dir = tmp_path / "runs" / "run"
-    process = start(tmp_path, "learner", *polybeast_args(
-        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
-        "--log_interval_steps", "500", "--checkpoint_interval_s", "100000",
-        "--local_transport", transport))
+    process = start_training(tmp_path, "--checkpoint_interval_s", "100000",
+                             "--local_transport", transport)
     try:
-        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
-                 lambda: output(tmp_path, "learner"))
         socket_dirs = glob.glob(str(tmp_path / f"polybeast-{process.pid}-*"))
         assert len(socket_dirs) == 1, "the run makes its socket directory under TMPDIR"
         servers = descendants(process.pid)
@@ -313,13 +324,8 @@ def test_sigterm_stops_everything_and_checkpoints(tmp_path, transport):
 @pytest.mark.timeout(300)
 def test_killed_learner_leaves_no_servers(tmp_path):
     """SIGKILL gives the learner no chance to clean up: the servers notice on their own."""
-    run_dir = tmp_path / "runs" / "run"
-    process = start(tmp_path, "learner", *polybeast_args(
-        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
-        "--log_interval_steps", "500"))
+    process = start_training(tmp_path)
     try:
-        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
-                 lambda: output(tmp_path, "learner"))
         servers = descendants(process.pid)
         assert servers
     finally:
@@ -465,12 +471,8 @@ def test_a_crashed_server_process_is_started_again(tmp_path):
     a crash in an environment's C code) is started again, its actor reconnects, and the run
     goes on to a clean stop."""
     run_dir = tmp_path / "runs" / "run"
-    process = start(tmp_path, "learner", *polybeast_args(
-        tmp_path, "--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "100000000",
-        "--log_interval_steps", "500"))
+    process = start_training(tmp_path)
     try:
-        wait_for(lambda: last_step(run_dir) > 0, "a row of logs.csv", process,
-                 lambda: output(tmp_path, "learner"))
         time.sleep(restarts.QUICK_EXIT_S + 1)  # serving longer than a failed start
         first = server_processes(process.pid)
         assert len(first) == 2, server_commands(descendants(process.pid))
