@@ -315,6 +315,11 @@ def _add_loss_flags(group):
                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
     group.add_argument("--baseline_cost", type=float, default=0.5,
                        help="Baseline (value) cost.")
+    group.add_argument("--pg_clip", type=float, default=0.0,
+                       help="Trust region of the policy gradient: a sample whose probability "
+                            "ratio pi/mu has left [1 - pg_clip, 1 + pg_clip] on the side its "
+                            "advantage pushes towards adds no gradient (PPO's clip on "
+                            "V-trace's advantages); 0: off, IMPALA's loss.")
     group.add_argument("--discounting", type=float, default=None,
                        help=f"Discount factor (default: {_env_default('discounting')}).")
     group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],

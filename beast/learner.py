@@ -81,9 +81,27 @@ def gaussian_entropy(logstd):
 
 
 def pg_loss(flags, inputs):
-    """Policy gradient: -sum_t log pi(a_t|x_t) * V-trace advantage_t."""
+    """Policy gradient: -sum_t log pi(a_t|x_t) * V-trace advantage_t.
+
+    With flags.pg_clip = eps > 0, a trust region around the policy that acted, as PPO's
+    clipped objective draws it: a sample stops pushing once pi(a_t|x_t) / mu(a_t|x_t) has
+    left [1 - eps, 1 + eps] on the side its advantage pushes towards, so a run of batches
+    cannot carry an action's probability far from what the actors saw.
+    """
     returns = inputs.vtrace_returns
-    return -(returns.target_action_log_probs * returns.pg_advantages).sum()
+    advantages = returns.pg_advantages
+    eps = getattr(flags, "pg_clip", 0.0)
+    if eps > 0:
+        advantages = trust_region(advantages, returns.log_rhos, eps)
+    return -(returns.target_action_log_probs * advantages).sum()
+
+
+def trust_region(advantages, log_rhos, eps):
+    """The advantages with 0 where the ratio pi/mu = exp(log_rhos) is already past 1 + eps
+    (advantage > 0) or below 1 - eps (advantage < 0). Args: float32 [T, B] each."""
+    ratio = log_rhos.detach().exp()
+    outside = ((advantages > 0) & (ratio > 1 + eps)) | ((advantages < 0) & (ratio < 1 - eps))
+    return torch.where(outside, torch.zeros_like(advantages), advantages)
 
 
 def baseline_loss(flags, inputs):
@@ -220,6 +238,17 @@ def compute_loss(flags, learner_outputs, batch):
     return total_loss, stats
 
 
+def policy_entropy(logits):
+    """The mean entropy, in nats, of a softmax policy over a batch's steps; near 0 it has
+    turned deterministic, as a policy in a collapse does (bench/learn.py counts those).
+
+    Args: logits float32 [T, B, A]. Returns a scalar tensor, without gradient.
+    """
+    with torch.no_grad():
+        log_policy = F.log_softmax(logits.float(), dim=-1)
+        return -(log_policy.exp() * log_policy).sum(dim=-1).mean()
+
+
 def autocast_context(device, precision):
     """bf16 autocast for the forward pass when asked; V-trace and the losses stay fp32."""
     if precision == "bf16":
@@ -246,7 +275,8 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
         clipping, so every rank clips, checks and applies the same gradient.
 
     Returns:
-      dict of floats: compute_loss's stats, grad_norm (before clipping) and
+      dict of floats: compute_loss's stats, policy_entropy (a softmax policy's mean entropy
+      per step, nats), grad_norm (before clipping) and
       skipped_update (1.0 when the loss or gradient was not finite and the
       weights and optimizer state were left as they were, else 0.0).
     """
@@ -256,6 +286,8 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     learner_outputs = {k: v.float() if v.is_floating_point() else v
                        for k, v in learner_outputs.items()}
     total_loss, stats = compute_loss(flags, learner_outputs, batch)
+    if "policy_logits" in learner_outputs:
+        stats["policy_entropy"] = policy_entropy(learner_outputs["policy_logits"][:-1])
     optimizer.zero_grad(set_to_none=True)
     total_loss.backward()
     if average_gradients is not None:

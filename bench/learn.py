@@ -138,6 +138,9 @@ class Curve:
     # Offline evaluations (--eval_interval_steps) by the step of their snapshot, in step order.
     eval_steps: list = dataclasses.field(default_factory=list)
     eval_returns: list = dataclasses.field(default_factory=list)
+    # The softmax policy's mean entropy per step (nats) in each row's batch, in step order.
+    entropy_steps: list = dataclasses.field(default_factory=list)
+    entropies: list = dataclasses.field(default_factory=list)
 
     def first_at(self, threshold, evaluation=False):
         """The first step where the training curve (or, with evaluation, an offline
@@ -177,6 +180,30 @@ class Curve:
         """The first fall (see falls), or None."""
         falls = self.falls()
         return falls[0] if falls else None
+
+    def deterministic(self):
+        """Each time the policy turned deterministic: (step, return) of each row whose batch's
+        mean entropy is below DETERMINISTIC_NATS, counted again only after the entropy is back
+        above REARM_NATS; the return is the training curve's at that step. Such a policy plays
+        one action in every state, and the entropy bonus, whose gradient vanishes there, is
+        all that brings it back. A fall of the curve can miss it: a collapse before the curve
+        first passes half of its final value is no fall.
+        """
+        found, armed = [], True
+        for step, entropy in zip(self.entropy_steps, self.entropies):
+            if armed and entropy < DETERMINISTIC_NATS:
+                at = [r for s, r in zip(self.steps, self.returns) if s <= step]
+                found.append((step, at[-1] if at else math.nan))
+                armed = False
+            armed = armed or entropy > REARM_NATS
+        return found
+
+
+# Below 0.01 nats a step, a policy plays one action with probability above 0.999 in nearly
+# every state. Healthy runs stay above 0.02 (CartPole, Acrobot, MinAtar: the lowest rows of
+# runs without a collapse are near 0.05); the collapsed SpaceInvaders runs fell to 1e-3-1e-15.
+DETERMINISTIC_NATS = 0.01
+REARM_NATS = 0.05
 
 
 def drop_superseded(rows):
@@ -253,12 +280,37 @@ def read_curve(path):
     # By step: an evaluation row is written when the evaluation ends, maybe after later ones.
     evals = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
                     if _finite(r, "eval_mean_episode_return")}.items())
+    entropies = policy_entropies(rows, path)
     return Curve(steps=list(points), returns=list(points.values()),
+                 entropy_steps=[s for s, _ in entropies], entropies=[e for _, e in entropies],
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
                                   start_times(path)),
                  eval_return=evals[-1][1] if evals else math.nan)
+
+
+def policy_entropies(rows, path):
+    """(step, mean entropy per step) of each training row, in step order.
+
+    From the policy_entropy column; runs from before it have none, and for them the entropy
+    is read back from entropy_loss (-entropy_cost x the entropy summed over T x B), with the
+    run's flags.json; that reading takes the policy to be a softmax, as every run from before
+    the column with an entropy cost was (the continuous defaults have none). Empty for a run
+    without either: a Gaussian policy logs no policy_entropy.
+    """
+    if any(_finite(r, "policy_entropy") for r in rows):
+        return [(r["step"], r["policy_entropy"]) for r in rows if _finite(r, "policy_entropy")]
+    try:
+        with open(os.path.join(path, "flags.json")) as f:
+            flags = json.load(f)
+        per_step = flags["entropy_cost"] * flags["unroll_length"] * flags["batch_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not per_step > 0:
+        return []
+    return [(r["step"], -r["entropy_loss"] / per_step) for r in rows
+            if _finite(r, "entropy_loss")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +401,8 @@ def finished(result):
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "collapses", "falls", "steps to solved (median)", "steps reached",
+                "failures", "collapses", "falls", "turned deterministic",
+                "steps to solved (median)", "steps reached",
                 "wall time per run", "SPS", "eval return", "published reference"]
 
 
@@ -383,7 +436,8 @@ def table_row(variant, results, curves, reference, threshold=None):
     return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
             f"{sum(map(finished, results))}/{len(results)}",
             str(sum(r.status == "failed" for r in results)), fmt_collapses(curves),
-            fmt_falls(curves), fmt_steps_to(curves, threshold), steps_text,
+            fmt_falls(curves), fmt_deterministic(curves), fmt_steps_to(curves, threshold),
+            steps_text,
             fmt_duration(spread([c.wall_s if c else math.nan for c in curves]).mean),
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
@@ -409,6 +463,19 @@ def fmt_falls(curves):
         return "—"
     return (f"{sum(counts)}, {sum(counts) / len(counts):.1f} a run "
             f"({sum(n > 0 for n in counts)} of {len(counts)} seeds)")
+
+
+def fmt_deterministic(curves):
+    """How many seeds' policies turned deterministic (Curve.deterministic), each time with its
+    step and the training return then (a seed's times apart by ","; seeds by ";"); "—" when
+    no run logged its policy's entropy."""
+    found = [c.deterministic() for c in curves if c is not None and c.entropies]
+    if not found:
+        return "—"
+    where = "; ".join(", ".join(f"{step / 1e6:.2f}M (return {fmt(value)})"
+                                for step, value in events) for events in found if events)
+    seeds = sum(bool(events) for events in found)
+    return f"{seeds} of {len(found)} seeds" + (f": {where}" if where else "")
 
 
 def fmt_sps(value):
@@ -506,7 +573,11 @@ HOW_TO_READ = (
     "half of the best it had reached (the first such fall of each: from the best to the low, "
     "at the step it happened); counted only for positive final returns. Falls: every such "
     "fall of every seed, a fall counting again only after the curve is back at 90% of its "
-    "best; the total, the mean per seed, and the seeds with at least one. Steps to solved "
+    "best; the total, the mean per seed, and the seeds with at least one. Turned "
+    "deterministic: seeds whose policy's mean entropy in a logged batch fell below "
+    f"{DETERMINISTIC_NATS} nats a step (one action in nearly every state), each time with "
+    "its step and the training return then; it catches the collapses that come before a "
+    "curve passes half of its final value, which the falls miss. Steps to solved "
     "(envs with a Gymnasium reward_threshold): the median over the seeds that got there of "
     "the first step where the training curve reached it, and, for runs with evaluations, "
     "where an evaluation of that step's weights did; (n/m) seeds got there. The training "

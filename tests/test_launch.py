@@ -4,6 +4,7 @@ The launcher tests start real `python -m monobeast` runs with tiny flags (a few 
 the aggregation tests read hand-made logs.csv files and launch nothing.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -335,6 +336,45 @@ def test_table_row_names_the_seeds_that_collapsed():
     row = learn.table_row("monobeast", results, curves, None)
     assert cell(row, "collapses") == "2 (17.0 to 8.0 at 0.00M, 10.0 to 4.0 at 0.00M)"
     assert cell(row, "falls") == "2, 0.7 a run (2 of 3 seeds)"
+
+
+def test_turned_deterministic_counts_each_time_the_entropy_falls_below_the_threshold():
+    # Below 0.01 at step 3 (return 12) and, after the entropy is back above 0.05, at step 6.
+    # The dip to 0.008 at step 4 is the same collapse: the entropy never went back up.
+    c = learn.Curve([1, 2, 3, 4, 5, 6, 7], [5, 20, 12, 2, 15, 9, 25], 7, 1.0,
+                    entropy_steps=[1, 2, 3, 4, 5, 6, 7],
+                    entropies=[0.9, 0.3, 0.004, 0.008, 0.2, 1e-9, 0.3])
+    assert c.deterministic() == [(3, 12), (6, 9)]
+    healthy = dataclasses.replace(c, entropies=[0.9, 0.3, 0.05, 0.02, 0.2, 0.03, 0.3])
+    assert healthy.deterministic() == []
+    spec = launch.RunSpec("MinAtar/SpaceInvaders-v1", "polybeast", 0, total_steps=7)
+    results = [launch.RunResult(spec, "done", steps=7, target=7)] * 3
+    row = learn.table_row("polybeast", results, [c, healthy, curve([1, 2])], None)
+    # The run without entropies (curve()) is left out of the count.
+    assert cell(row, "turned deterministic") == (
+        "1 of 2 seeds: 0.00M (return 12.0), 0.00M (return 9.0)")
+    assert cell(learn.table_row("polybeast", results[:1], [curve([1, 2])], None),
+                "turned deterministic") == "—"
+
+
+def test_read_curve_takes_the_entropy_from_its_column_or_from_the_entropy_term(tmp_path):
+    header = ("_time", "step", "mean_episode_return", "entropy_loss", "policy_entropy")
+    run = write_logs(tmp_path / "new", [(1.0, 10, 3.0, -3.2, 0.5), (2.0, 20, 4.0, -1.6, 0.25)],
+                     header)
+    curve = learn.read_curve(str(run))
+    assert curve.entropy_steps == [10, 20] and curve.entropies == [0.5, 0.25]
+    # A run from before the column: entropy_loss = -entropy_cost x the entropy summed over
+    # T x B, read back with its flags.json.
+    old = write_logs(tmp_path / "old", [(1.0, 10, 3.0, -3.2), (2.0, 20, 4.0, -0.0016)],
+                     header[:4])
+    (old / "flags.json").write_text(json.dumps(
+        dict(entropy_cost=0.01, unroll_length=20, batch_size=16)))
+    curve = learn.read_curve(str(old))
+    assert curve.entropies == pytest.approx([1.0, 0.0005])
+    assert curve.deterministic() == [(20, 4.0)]
+    (old / "flags.json").write_text(json.dumps(
+        dict(entropy_cost=0.0, unroll_length=20, batch_size=16)))
+    assert learn.read_curve(str(old)).entropies == []  # no entropy term, nothing to read
 
 
 def test_two_rank_variant_starts_polybeast_under_torchrun():

@@ -257,6 +257,65 @@ def test_learn_step_applies_the_clipped_gradient():
                                    rtol=1e-4, atol=1e-7)
 
 
+def ppo_surrogate_loss(flags, learner_outputs, batch):
+    """The reference loss with PPO's clipped surrogate (Schulman et al. 2017, eq. 7) in place
+    of the policy gradient term: -sum min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho =
+    pi / mu with gradient through pi. With A = the V-trace advantage / rho (a constant), its
+    gradient is IMPALA's wherever the clip is not what the min picks, and zero where it is."""
+    vs, advantages = reference_targets(flags, learner_outputs, batch)
+    actions = batch["action"][:-1, :, None]
+    log_pi = torch.log_softmax(learner_outputs["policy_logits"][:-1], dim=-1)
+    log_mu = torch.log_softmax(batch["policy_logits"][:-1], dim=-1)
+    rho = torch.exp(log_pi.gather(-1, actions) - log_mu.gather(-1, actions))[..., 0]
+    adv = torch.tensor(advantages, dtype=torch.float32) / rho.detach()
+    eps = flags.pg_clip
+    surrogate = torch.minimum(rho * adv, torch.clamp(rho, 1 - eps, 1 + eps) * adv)
+    values = learner_outputs["baseline"][:-1]
+    return (-surrogate.sum()
+            + flags.baseline_cost * 0.5 * ((torch.tensor(vs, dtype=torch.float32) - values) ** 2).sum()
+            + flags.entropy_cost * (log_pi.exp() * log_pi).sum())
+
+
+def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
+    eps = 0.5
+    flags = make_flags(pg_clip=eps)
+    batch = make_batch()
+    logits = torch.tensor(TARGET_LOGITS, dtype=torch.float32, requires_grad=True)
+    outputs = dict(make_learner_outputs(), policy_logits=logits)
+    vs, advantages = reference_targets(flags, outputs, batch)
+    rho = np.exp(log_probs_of_actions_np(logits[:-1], batch["action"][:-1])
+                 - log_probs_of_actions_np(batch["policy_logits"][:-1], batch["action"][:-1]))
+    cut = ((advantages > 0) & (rho > 1 + eps)) | ((advantages < 0) & (rho < 1 - eps))
+    kept = ~cut & (np.abs(rho - 1) > eps)  # outside the region, but pushing back towards it
+    # The fixture has samples of all three kinds; otherwise the clip could be a no-op here.
+    assert cut.any() and kept.any() and (np.abs(rho - 1) < eps - 0.1).any()
+    loss, stats = learner.compute_loss(flags, outputs, batch)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (expected,) = torch.autograd.grad(ppo_surrogate_loss(flags, outputs, batch), logits)
+    torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL)
+    (unclipped,) = torch.autograd.grad(learner.compute_loss(make_flags(), outputs, batch)[0],
+                                       logits)
+    assert not torch.allclose(grad, unclipped, atol=1e-4)  # the clip changed the step
+    # The logged pg_loss is the clipped one: the cut samples add nothing.
+    log_pi_a = log_probs_of_actions_np(logits[:-1], batch["action"][:-1])
+    np.testing.assert_allclose(float(stats["pg_loss"]), -(log_pi_a * advantages * ~cut).sum(),
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_learn_step_logs_the_policy_entropy():
+    flags, batch, model = make_flags(), make_batch(), TinyModel()
+    with torch.no_grad():
+        logits = to_np(model(batch, ())[0]["policy_logits"][:-1])
+    log_pi = log_softmax_np(logits)
+    stats = sgd_step(flags, model, batch, lr=0.1)
+    np.testing.assert_allclose(stats["policy_entropy"],
+                               -(np.exp(log_pi) * log_pi).sum(-1).mean(), rtol=RTOL)
+    assert stats["policy_entropy"] == pytest.approx(-stats["entropy_loss"] /
+                                                    (flags.entropy_cost * T * B), rel=1e-5)
+    assert learner.policy_entropy(torch.tensor([[[50.0, 0.0, 0.0]]])) < 1e-15  # deterministic
+    assert float(learner.policy_entropy(torch.zeros(1, 1, A))) == pytest.approx(np.log(A))
+
+
 # ---- the LOSS_TERMS contract ----
 
 
