@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ import torch
 
 import libpolybeast
 from beast import distributed
+from beast import restarts
 from beast import flags as beast_flags
 from beast import rollout
 from beast import training
@@ -323,7 +325,9 @@ class LocalEnvServers:
 
     It runs in its own session, so a Ctrl-C meant for the learner does not stop
     the servers before the learner has closed its queues; --exit_with_parent
-    makes it stop if this process dies without cleaning up (SIGKILL, OOM).
+    makes it stop if this process dies without cleaning up (SIGKILL, OOM). If it
+    is killed itself while serving, it is started again (beast/restarts.py), once
+    what is left of its session (servers it could not stop) is gone.
     """
 
     def __init__(self, flags, num_servers):
@@ -340,6 +344,7 @@ class LocalEnvServers:
             self.pipes_basename = rank_basename(flags.pipes_basename, self.rank, world_size)
         self.addresses = [f"{self.pipes_basename}.{i}" for i in range(num_servers)]
         self.process = None
+        self.policy = restarts.RestartPolicy()
 
     def start(self):
         flags = self.flags
@@ -359,6 +364,7 @@ class LocalEnvServers:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (code_dir, env.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen(command, env=env, start_new_session=True,
                                         stdout=subprocess.DEVNULL)
+        self.started = time.monotonic()
         return self
 
     def exit_code(self):
@@ -384,11 +390,41 @@ class LocalEnvServers:
             time.sleep(0.05)
 
     def check(self):
-        """Raises UserError once the servers have exited."""
-        if self.exit_code() is not None:
+        """Starts polybeast_env again if a signal killed it while it served (the OOM killer);
+        raises UserError if it exited by itself (a server that never came up: its message is
+        above) or keeps dying."""
+        code = self.exit_code()
+        if code is None:
+            return
+        ran = time.monotonic() - self.started
+        why_not = (self.policy.why_not(ran) if code < 0 else
+                   "it stopped by itself")
+        if why_not is not None:
             raise training.UserError(
-                f"the env servers (python -m polybeast_env) exited with status "
-                f"{self.exit_code()}; their message is above.")
+                f"the env servers (python -m polybeast_env) exited with status {code} "
+                f"({why_not}); their message is above.")
+        print(f"warning: the env servers (python -m polybeast_env) exited with status {code} "
+              f"after {ran:.0f} s; starting them again (restart {self.policy.restarts}).",
+              file=sys.stderr, flush=True)
+        self._stop_session()  # servers of the dead one must free their addresses first
+        self.start()
+
+    def _stop_session(self):
+        """Ends every process left in polybeast_env's session (its process group): the
+        servers of one that was killed before it could stop them. SIGTERM, then SIGKILL
+        after SERVER_STOP_TIMEOUT_S."""
+        deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                while time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    os.killpg(self.process.pid, 0)  # raises once the group is empty
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
+        print(f"warning: processes of the env servers' group {self.process.pid} outlived "
+              "SIGKILL.", file=sys.stderr)
 
     def stop(self):
         """Stops the servers and removes our socket directory; idempotent."""
@@ -401,6 +437,8 @@ class LocalEnvServers:
                       f"{SERVER_STOP_TIMEOUT_S} s; killing them.", file=sys.stderr)
                 self.process.kill()
                 self.process.wait(SERVER_STOP_TIMEOUT_S)
+        if self.process is not None:
+            self._stop_session()  # nothing of theirs outlives the run
         if self.own_dir is not None:
             shutil.rmtree(self.own_dir, ignore_errors=True)
             self.own_dir = None

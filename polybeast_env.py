@@ -43,6 +43,8 @@ from beast import flags as beast_flags
 from beast import restarts
 from beast.flags import is_loopback, socket_path, split_host_port
 
+PARENT_POLL_S = 0.5  # how often a server looks whether polybeast_env still runs
+
 
 def make_parser():
     parser = argparse.ArgumentParser(
@@ -144,12 +146,12 @@ class EnvFactory:
                                              name=f"env server {self.server_index}")
 
 
-def serve(flags, address, server_index=0, life=0):
+def serve(flags, address, server_index=0, life=0, parent_pid=None):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
     flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream
     (None: what the learner asks for, else 1). life: how often this server was restarted.
-    Usable as a multiprocessing target.
+    parent_pid: stop once this process is gone. Usable as a multiprocessing target.
     """
     import libpolybeast
 
@@ -162,6 +164,9 @@ def serve(flags, address, server_index=0, life=0):
     if in_main_thread:
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: server.stop())
+    if parent_pid is not None:
+        threading.Thread(target=_stop_when_orphaned, args=(server, address, parent_pid),
+                         name="parent-watch", daemon=True).start()
     owns_address = True
     try:
         server.run()
@@ -176,6 +181,17 @@ def serve(flags, address, server_index=0, life=0):
             signal.signal(signum, handler)
         if owns_address:
             _remove_socket(address)
+
+
+def _stop_when_orphaned(server, address, parent_pid):
+    """Stops the server once parent_pid is no longer its parent. A polybeast_env killed with
+    SIGKILL cannot stop its servers; without this they would serve on, orphaned, holding
+    their addresses and cores, and no learner would know to stop them."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    print(f"polybeast_env: the process that started the server at {address} (pid {parent_pid}) "
+          "is gone; stopping it", file=sys.stderr, flush=True)
+    server.stop()
 
 
 def _remove_socket(address):
@@ -245,7 +261,8 @@ class ServerProcess:
 
     def start(self):
         self.process = self.context.Process(
-            target=serve, args=(self.flags, self.address, self.index, self.policy.restarts),
+            target=serve,
+            args=(self.flags, self.address, self.index, self.policy.restarts, os.getpid()),
             name=self.name)
         self.started = time.monotonic()
         self.process.start()

@@ -6,6 +6,7 @@ the lock that keeps inference off half-copied weights.
 The rollouts themselves (layout, overlap, no rollout spanning a server restart) are checked in
 test_actor_pool.py; here we check what the learner makes of them."""
 
+import contextlib
 import glob
 import math
 import os
@@ -492,6 +493,62 @@ def test_a_crashed_server_process_is_started_again(tmp_path):
     assert process.returncode == 0, err
     assert "env-server-0 exited with status -9" in err and "(restart 1)" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_polybeast_env_is_started_again_and_leaves_nothing_behind(tmp_path):
+    """polybeast_env itself killed (SIGKILL: it cannot stop its servers): its servers stop on
+    their own, the learner starts polybeast_env again, the actors reconnect, and when the run
+    ends no process of either generation is left."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start_training(tmp_path)
+    try:
+        time.sleep(restarts.QUICK_EXIT_S + 1)  # serving longer than a failed start
+        old_servers = server_processes(process.pid)
+        below = descendants(process.pid)
+        supervisors = [p for p, command in zip(below, server_commands(below))
+                       if "-m polybeast_env" in command]
+        assert len(old_servers) == 2 and len(supervisors) == 1, server_commands(below)
+        os.kill(supervisors[0], signal.SIGKILL)
+        steps_at_kill = last_step(run_dir)
+        assert wait_gone(old_servers) == [], "servers outlived their polybeast_env"
+        wait_for(lambda: "reconnected" in output(tmp_path, "learner"), "the actors to reconnect",
+                 process, lambda: output(tmp_path, "learner"))
+        wait_for(lambda: last_step(run_dir) > steps_at_kill + 20000, "training to go on",
+                 process, lambda: output(tmp_path, "learner"))
+        new_servers = server_processes(process.pid)
+        assert len(new_servers) == 2 and not set(new_servers) & set(old_servers)
+        everything = descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    err = output(tmp_path, "learner")
+    assert process.returncode == 0, err
+    assert "exited with status -9" in err and "starting them again (restart 1)" in err
+    assert "Traceback" not in err
+    assert wait_gone(everything) == [], "env server processes outlived the learner"
+
+
+@pytest.mark.timeout(120)
+def test_servers_stop_when_their_polybeast_env_is_killed(tmp_path):
+    """A polybeast_env started by hand and killed with SIGKILL leaves no server serving on."""
+    server = start(tmp_path, "server", "polybeast_env", "--env", "CartPole-v1",
+                   "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
+    try:
+        wait_for(lambda: (tmp_path / "env.1").exists(), "the servers' sockets", server,
+                 lambda: output(tmp_path, "server"))
+        servers = server_processes(server.pid)
+        assert len(servers) == 2
+        server.kill()
+        server.wait(WAIT_S)
+        assert wait_gone(servers) == [], "servers outlived their polybeast_env"
+    finally:
+        stop_group(server, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)  # orphans, if the test failed
+    assert not (tmp_path / "env.0").exists() and not (tmp_path / "env.1").exists()
+    assert "is gone; stopping it" in output(tmp_path, "server")
 
 
 @pytest.mark.timeout(300)
