@@ -356,6 +356,8 @@ class LocalEnvServers:
             "--num_servers", str(self.num_servers),
             "--envs_per_stream", str(flags.envs_per_stream),
             "--pipes_basename", self.pipes_basename,
+            # An environment hung for as long as the actor waits is killed and restarted.
+            "--step_timeout_s", str(flags.stream_timeout_s),
             "--exit_with_parent",
         ]
         env = dict(os.environ)

@@ -20,7 +20,9 @@ reconnecting learner starts a fresh, differently seeded one. SIGTERM or Ctrl-C s
 and exits with status 0.
 
 A server process that dies while serving (a crash in an environment's C code, the OOM killer) is
-started again on its address, with fresh seeds, and the learner's actor thread reconnects to it.
+started again on its address, with fresh seeds, and the learner's actor thread reconnects to it;
+so is one whose environment has been in one step for --step_timeout_s (a hang), after it is killed.
+If polybeast_env itself is killed, its servers notice and stop.
 One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
 
 The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
@@ -44,6 +46,7 @@ from beast import restarts
 from beast.flags import is_loopback, socket_path, split_host_port
 
 PARENT_POLL_S = 0.5  # how often a server looks whether polybeast_env still runs
+STREAM_SLOTS = 64  # streams per server whose steps are timed (more go unwatched)
 
 
 def make_parser():
@@ -75,6 +78,11 @@ def make_parser():
                         help="Serve over TCP instead: HOST:PORT (or tcp:HOST:PORT); server i "
                              "listens at HOST:PORT+i. A non-loopback HOST accepts connections "
                              "from other machines, without authentication.")
+    parser.add_argument("--step_timeout_s", type=float, default=30.0,
+                        help="A server whose environment has not finished a step (or reset) "
+                             "for this long is killed and started again, as a hung environment "
+                             "would otherwise keep its thread and its core for good; 0: never. "
+                             "python -m polybeast passes its --stream_timeout_s.")
     parser.add_argument("--exit_with_parent", action="store_true",
                         help="Stop the servers when the process that started this one is gone "
                              "(python -m polybeast passes it, so a killed learner leaves no "
@@ -118,11 +126,13 @@ class EnvFactory:
     one gymnasium environment, else a beast.vector_envs VectorEnv (always for EnvPool). The
     server's own --envs_per_stream, when given, wins over the request."""
 
-    def __init__(self, flags, server_index, life=0):
+    def __init__(self, flags, server_index, life=0, stepping=None):
         self.flags = flags
         self.server_index = server_index
         self.life = life  # how often this server was restarted: new seeds each time
         self.streams = 0
+        self.stepping = stepping
+        self.free_slots = list(range(len(stepping)))[::-1] if stepping is not None else []
 
     def __call__(self, envs_per_stream=None):
         # Imported here: the parent process never needs gymnasium.
@@ -141,24 +151,64 @@ class EnvFactory:
         print(f"polybeast_env: server {self.server_index} stream {self.streams}: {num_envs} "
               f"environment(s) ({why})", flush=True)
         if num_envs == 1 and self.flags.env_backend == "gymnasium":
-            return envs.RolloutAdapter(envs.create_env(self.flags), seed)
-        return vector_envs.create_vector_env(self.flags, num_envs, seed,
-                                             name=f"env server {self.server_index}")
+            env = envs.RolloutAdapter(envs.create_env(self.flags), seed)
+        else:
+            env = vector_envs.create_vector_env(self.flags, num_envs, seed,
+                                                name=f"env server {self.server_index}")
+        if not self.free_slots:  # more streams than slots: this one goes unwatched
+            return env
+        return Watched(env, self.stepping, self.free_slots)
 
 
-def serve(flags, address, server_index=0, life=0, parent_pid=None):
+class Watched:
+    """An adapter whose initial() and step() write when they began into a slot of a shared
+    array (0 while none runs), so that polybeast_env, from outside, can tell a hung
+    environment and kill its process: a step stuck in C code holds the GIL, and no thread of
+    this process could. Everything else is the adapter's own (the server asks for num_envs,
+    restarts and close)."""
+
+    def __init__(self, env, stepping, free_slots):
+        self.env, self.stepping, self.free_slots = env, stepping, free_slots
+        self.slot = free_slots.pop()
+
+    def initial(self):
+        return self._timed(self.env.initial)
+
+    def step(self, action):
+        return self._timed(self.env.step, action)
+
+    def _timed(self, method, *args):
+        self.stepping[self.slot] = time.monotonic()  # CLOCK_MONOTONIC: one clock for all
+        try:
+            return method(*args)
+        finally:
+            self.stepping[self.slot] = 0.0
+
+    def close(self):
+        if self.slot is not None:
+            self.free_slots.append(self.slot)
+            self.slot = None
+        if hasattr(self.env, "close"):
+            self.env.close()
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
     flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream
     (None: what the learner asks for, else 1). life: how often this server was restarted.
-    parent_pid: stop once this process is gone. Usable as a multiprocessing target.
+    parent_pid: stop once this process is gone. stepping: a shared float array with a slot
+    per stream to watch (Watched). Usable as a multiprocessing target.
     """
     import libpolybeast
 
     if not is_loopback(address):
         print(f"polybeast_env: warning: listening on {address}, which other machines can reach; "
               "the traffic is neither authenticated nor encrypted.", file=sys.stderr, flush=True)
-    server = libpolybeast.EnvServer(EnvFactory(flags, server_index, life), address)
+    server = libpolybeast.EnvServer(EnvFactory(flags, server_index, life, stepping), address)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:
@@ -210,6 +260,8 @@ def main(argv=None):
     problems = beast_flags.env_flag_problems(flags)
     if flags.num_servers < 1:
         problems.append(f"--num_servers must be at least 1 (got {flags.num_servers}).")
+    if flags.step_timeout_s < 0:
+        problems.append(f"--step_timeout_s must be 0 (never) or more (got {flags.step_timeout_s:g}).")
     if flags.envs_per_stream is not None and flags.envs_per_stream < 1:
         problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
     try:
@@ -258,17 +310,34 @@ class ServerProcess:
         self.name = f"env-server-{index}"
         self.policy = restarts.RestartPolicy()
         self.process = None
+        # When each stream's step began, 0 while none runs (Watched); no lock: one writer a slot.
+        self.stepping = context.Array("d", STREAM_SLOTS, lock=False)
 
     def start(self):
+        self.stepping[:] = [0.0] * STREAM_SLOTS  # the steps of a killed process are no more
         self.process = self.context.Process(
             target=serve,
-            args=(self.flags, self.address, self.index, self.policy.restarts, os.getpid()),
+            args=(self.flags, self.address, self.index, self.policy.restarts, os.getpid(),
+                  self.stepping),
             name=self.name)
         self.started = time.monotonic()
         self.process.start()
 
+    def hung_for(self):
+        """Seconds the oldest step in progress has run; 0 when none runs."""
+        began = [t for t in self.stepping if t > 0]
+        return time.monotonic() - min(began) if began else 0.0
+
     def revive(self):
-        """Starts the server again if it died; False if it never came up (not started)."""
+        """Starts the server again if it died, or kills it first if a step of its has hung
+        for --step_timeout_s; False if it never came up (not started)."""
+        timeout = self.flags.step_timeout_s
+        if self.process.is_alive() and timeout > 0 and self.hung_for() > timeout:
+            print(f"polybeast_env: {self.name} has been in one environment step for "
+                  f"{self.hung_for():.0f} s (--step_timeout_s {timeout:g}); killing it",
+                  file=sys.stderr, flush=True)
+            self.process.kill()
+            self.process.join(timeout=10)
         if self.process.is_alive():
             return True
         status = self.process.exitcode

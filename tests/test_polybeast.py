@@ -530,6 +530,40 @@ def test_a_killed_polybeast_env_is_started_again_and_leaves_nothing_behind(tmp_p
     assert wait_gone(everything) == [], "env server processes outlived the learner"
 
 
+@pytest.mark.timeout(300)
+def test_a_server_with_a_hung_environment_is_killed_and_started_again(tmp_path, monkeypatch):
+    """An environment that stops answering (one step sleeps for an hour) would hold its
+    server's thread and core for good: after --stream_timeout_s, which the learner passes to
+    its servers as --step_timeout_s, polybeast_env kills that server and starts it again."""
+    marker = tmp_path / "hang"
+    monkeypatch.setenv("BEAST_CRASH_MARKER", str(marker))
+    monkeypatch.setenv("BEAST_CRASH_ONCE", "1")
+    run_dir = tmp_path / "runs" / "run"
+    process = start_training(tmp_path, "--env", "tests.crash_env:HangingCartPole-v0",
+                             "--stream_timeout_s", "3")
+    try:
+        time.sleep(restarts.QUICK_EXIT_S + 1)  # serving longer than a failed start
+        first = server_processes(process.pid)
+        assert len(first) == 2
+        marker.touch()  # one step of one server hangs
+        wait_for(lambda: not set(server_processes(process.pid)) >= set(first),
+                 "the hung server to be killed", process, lambda: output(tmp_path, "learner"))
+        assert not marker.exists()
+        steps_at_kill = last_step(run_dir)
+        wait_for(lambda: last_step(run_dir) > steps_at_kill + 20000, "training to go on",
+                 process, lambda: output(tmp_path, "learner"))
+        now = server_processes(process.pid)
+        assert len(now) == 2 and len(set(now) & set(first)) == 1
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    err = output(tmp_path, "learner")
+    assert process.returncode == 0, err
+    assert "in one environment step for" in err and "(--step_timeout_s 3); killing it" in err
+    assert "(restart 1)" in err and "Traceback" not in err
+
+
 @pytest.mark.timeout(120)
 def test_servers_stop_when_their_polybeast_env_is_killed(tmp_path):
     """A polybeast_env started by hand and killed with SIGKILL leaves no server serving on."""
