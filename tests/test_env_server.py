@@ -799,3 +799,42 @@ def test_polybeast_env_refuses_an_address_in_use_and_leaves_the_first_server_alo
     finally:
         first.terminate()
         first.wait(30)
+
+
+def test_watched_adapter_marks_its_steps_in_a_shared_slot():
+    """polybeast_env times every step of a stream's adapter in a slot of a shared array, so
+    that it can tell a hung environment from outside the server process."""
+    import time
+
+    import polybeast_env
+
+    class Slow:
+        num_envs = 2  # the server asks for it: a batched adapter
+        closed = False
+
+        def __init__(self, slots):
+            self.slots, self.seen = slots, []
+
+        def initial(self):
+            return "first"
+
+        def step(self, action):
+            self.seen.append(list(self.slots))  # what polybeast_env sees during the step
+            return action * 2
+
+        def close(self):
+            self.closed = True
+
+    slots = [0.0, 0.0]
+    free = [1, 0]
+    env = Slow(slots)
+    watched = polybeast_env.Watched(env, slots, free)
+    assert watched.slot == 0 and free == [1]
+    before = time.monotonic()
+    assert watched.initial() == "first" and watched.step(21) == 42
+    assert before <= env.seen[0][0] <= time.monotonic() and env.seen[0][1] == 0.0
+    assert slots == [0.0, 0.0], "no step in progress after it returned"
+    assert watched.num_envs == 2 and hasattr(watched, "num_envs")
+    assert not hasattr(polybeast_env.Watched(object(), [0.0], [0]), "num_envs")
+    watched.close()
+    assert env.closed and sorted(free) == [0, 1], "a closed stream gives its slot back"
