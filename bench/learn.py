@@ -293,24 +293,26 @@ def read_curve(path):
 def policy_entropies(rows, path):
     """(step, mean entropy per step) of each training row, in step order.
 
-    From the policy_entropy column; runs from before it have none, and for them the entropy
-    is read back from entropy_loss (-entropy_cost x the entropy summed over T x B), with the
-    run's flags.json; that reading takes the policy to be a softmax, as every run from before
-    the column with an entropy cost was (the continuous defaults have none). Empty for a run
-    without either: a Gaussian policy logs no policy_entropy.
+    From the policy_entropy column; rows from before it (a run older than the column, or
+    resumed across it) have none, and for them the entropy is read back from entropy_loss
+    (-entropy_cost x the entropy summed over T x B), with the run's flags.json. That reading
+    takes the policy to be a softmax, as every run from before the column with an entropy
+    cost was (the continuous defaults have none); a Gaussian policy logs no policy_entropy.
     """
-    if any(_finite(r, "policy_entropy") for r in rows):
-        return [(r["step"], r["policy_entropy"]) for r in rows if _finite(r, "policy_entropy")]
+    per_step = math.nan
     try:
         with open(os.path.join(path, "flags.json")) as f:
             flags = json.load(f)
         per_step = flags["entropy_cost"] * flags["unroll_length"] * flags["batch_size"]
     except (OSError, ValueError, KeyError, TypeError):
-        return []
-    if not per_step > 0:
-        return []
-    return [(r["step"], -r["entropy_loss"] / per_step) for r in rows
-            if _finite(r, "entropy_loss")]
+        pass
+    found = []
+    for row in rows:
+        if _finite(row, "policy_entropy"):
+            found.append((row["step"], row["policy_entropy"]))
+        elif _finite(row, "entropy_loss") and per_step > 0:
+            found.append((row["step"], -row["entropy_loss"] / per_step))
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
