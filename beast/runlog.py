@@ -278,7 +278,9 @@ class StatsLogger:
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
                 self._fieldnames = next(csv.reader(f))
-        self._on_disk = self._fieldnames  # the header logs.csv has now
+        # The header logs.csv has now: a copy, since the first row of a resume may add columns
+        # to _fieldnames in place, and the file must then be widened before it is appended to.
+        self._on_disk = None if self._fieldnames is None else list(self._fieldnames)
         self._pending = []  # rows not written yet: the disk was full, or another error
         self._write_error = None
         self._tb = None
@@ -482,12 +484,15 @@ def read_logs(path):
     """Reads a logs.csv into a list of dicts, one per row.
 
     Numbers become floats, an empty cell (a column added later) becomes nan,
-    anything else stays a string.
+    anything else stays a string. Cells beyond the header (a row of a resume whose first
+    row added a column, before StatsLogger widened the header then) have no name and are left
+    out.
     """
     rows = []
     with open(path, newline="") as f:
         for record in csv.DictReader(f):
             row = {}
+            record.pop(None, None)
             for key, value in record.items():
                 if value is None or value == "":
                     row[key] = math.nan

@@ -144,6 +144,20 @@ def test_logs_columns_and_resume(tmp_path):
     assert all(r["_time"] > 0 for r in rows)
     assert not os.path.exists(run_dir.logs_path + ".tmp")
 
+    # A resume whose very first row brings a new column (a newer version of the code that
+    # logs one more stat) widens the header before it appends.
+    logger = runlog.StatsLogger(run_dir, use_tensorboard=False)
+    logger.log(50, {"total_loss": 0.1, "mean_episode_return": 6.0, "policy_entropy": 0.5})
+    logger.close()
+    rows = runlog.read_logs(run_dir.logs_path)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40, 50]
+    assert rows[4]["policy_entropy"] == 0.5 and math.isnan(rows[3]["policy_entropy"])
+    assert rows[4]["total_loss"] == 0.1 and None not in rows[4]
+    # Such a file written before the fix (a row wider than its header) still reads.
+    with open(run_dir.logs_path, "a") as f:
+        f.write("1.0,60,7.0,0.4,,0.05,9.9\n")  # one cell more than the header
+    assert runlog.read_logs(run_dir.logs_path)[-1]["step"] == 60
+
 
 def test_tensorboard_events_written(tmp_path):
     run_dir = runlog.RunDir(tmp_path, "exp")
