@@ -293,17 +293,21 @@ def read_curve(path):
 def policy_entropies(rows, path):
     """(step, mean entropy per step) of each training row, in step order.
 
-    From the policy_entropy column; rows from before it (a run older than the column, or
-    resumed across it) have none, and for them the entropy is read back from entropy_loss
-    (-entropy_cost x the entropy summed over T x B), with the run's flags.json. That reading
-    takes the policy to be a softmax, as every run from before the column with an entropy
-    cost was (the continuous defaults have none); a Gaussian policy logs no policy_entropy.
+    From the policy_entropy column, which every run with a softmax policy writes (a Gaussian
+    policy writes none). Runs begun before the column existed (a start of theirs has a
+    flags.json without --pg_clip, which came with it) lack it in their early rows; for those
+    rows the entropy is read back from entropy_loss (-entropy_cost x the entropy summed over
+    T x B). Every such run with an entropy cost had a softmax policy (the continuous defaults
+    have none), so a Gaussian's entropy term is never misread as a softmax's.
     """
     per_step = math.nan
     try:
-        with open(os.path.join(path, "flags.json")) as f:
-            flags = json.load(f)
-        per_step = flags["entropy_cost"] * flags["unroll_length"] * flags["batch_size"]
+        for name in os.listdir(path):
+            if re.fullmatch(r"flags\.json(\.\d+)?", name):
+                with open(os.path.join(path, name)) as f:
+                    flags = json.load(f)
+                if "pg_clip" not in flags:  # a start from before policy_entropy existed
+                    per_step = flags["entropy_cost"] * flags["unroll_length"] * flags["batch_size"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     found = []

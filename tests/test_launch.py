@@ -375,11 +375,18 @@ def test_read_curve_takes_the_entropy_from_its_column_or_from_the_entropy_term(t
     # Resumed across the column: each row from where it has it.
     resumed = write_logs(tmp_path / "resumed", [(1.0, 10, 3.0, -3.2, None),
                                                 (2.0, 20, 4.0, -0.0016, 0.7)], header)
-    (resumed / "flags.json").write_text((old / "flags.json").read_text())
+    (resumed / "flags.json.1").write_text((old / "flags.json").read_text())  # the first start
+    (resumed / "flags.json").write_text(json.dumps(
+        dict(entropy_cost=0.01, unroll_length=20, batch_size=16, pg_clip=0.0)))
     assert learn.read_curve(str(resumed)).entropies == pytest.approx([1.0, 0.7])
     (old / "flags.json").write_text(json.dumps(
         dict(entropy_cost=0.0, unroll_length=20, batch_size=16)))
     assert learn.read_curve(str(old)).entropies == []  # no entropy term, nothing to read
+    # A run begun with the column that writes none has a Gaussian policy: its entropy term is
+    # not a softmax's, and nothing is read from it.
+    (old / "flags.json").write_text(json.dumps(
+        dict(entropy_cost=0.01, unroll_length=20, batch_size=16, pg_clip=0.0)))
+    assert learn.read_curve(str(old)).entropies == []
 
 
 def test_two_rank_variant_starts_polybeast_under_torchrun():
