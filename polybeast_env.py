@@ -331,10 +331,10 @@ class ServerProcess:
     def revive(self):
         """Starts the server again if it died, or kills it first if a step of its has hung
         for --step_timeout_s; False if it never came up (not started)."""
-        timeout = self.flags.step_timeout_s
-        if self.process.is_alive() and timeout > 0 and self.hung_for() > timeout:
+        timeout, hung = self.flags.step_timeout_s, self.hung_for()
+        if self.process.is_alive() and timeout > 0 and hung > timeout:
             print(f"polybeast_env: {self.name} has been in one environment step for "
-                  f"{self.hung_for():.0f} s (--step_timeout_s {timeout:g}); killing it",
+                  f"{hung:.0f} s (--step_timeout_s {timeout:g}); killing it",
                   file=sys.stderr, flush=True)
             self.process.kill()
             self.process.join(timeout=10)
