@@ -141,6 +141,9 @@ class Curve:
     # The softmax policy's mean entropy per step (nats) in each row's batch, in step order.
     entropy_steps: list = dataclasses.field(default_factory=list)
     entropies: list = dataclasses.field(default_factory=list)
+    # [from, to) steps after each resume where the 100-episode mean is not yet the run's
+    # (see resume_settling); falls() passes over them.
+    settling: list = dataclasses.field(default_factory=list)
 
     def first_at(self, threshold, evaluation=False):
         """The first step where the training curve (or, with evaluation, an offline
@@ -158,13 +161,16 @@ class Curve:
         below half of the best it had reached, counted only once it has passed half of its
         final value (so that the noise of the first episodes is no fall); after a fall, the
         next one counts only once the curve is back at 90% of its best. Only for a positive
-        final return: halving means nothing below zero.
+        final return: halving means nothing below zero. The rows of a resume's settling are
+        passed over: a fall that lasts beyond them is still found in the rows after.
         """
         final = self.final_return
         if not final > 0:
             return []
         found, peak, armed = [], None, True
         for step, value in zip(self.steps, self.returns):
+            if any(start <= step < end for start, end in self.settling):
+                continue
             if peak is None:
                 if value >= final / 2:
                     peak = value
@@ -263,6 +269,44 @@ def wall_time(times, starts=()):
     return total
 
 
+def resume_settling(rows, starts, num_envs):
+    """[from, to) steps after each resume during which the 100-episode mean is biased low.
+
+    A resume restores the window of the last 100 episodes but starts every environment
+    afresh, and the first of the new episodes to end are the shortest: the mean dips for a
+    while (by a third to a half on SpaceInvaders, back after 150-200 episodes with 128
+    environments) though nothing was unlearnt. It settles once each environment has ended an
+    episode and a window more has ended: num_envs + 100 episodes after the resume, by the
+    `episodes` column. Without that column (hand-made logs) nothing is settling.
+    """
+    windows = []
+    for start in starts[1:]:
+        before = [r for r in rows if r["_time"] < start and _finite(r, "episodes")]
+        after = [r for r in rows if r["_time"] >= start and _finite(r, "step")]
+        if not before or not after:
+            continue
+        settled = before[-1]["episodes"] + num_envs + EPISODE_WINDOW
+        end = next((r["step"] for r in after if r.get("episodes", -math.inf) >= settled),
+                   math.inf)
+        windows.append((after[0]["step"], end))
+    return windows
+
+
+EPISODE_WINDOW = 100  # the episodes mean_episode_return averages over (runlog.EpisodeStats)
+
+
+def run_num_envs(path):
+    """How many environments the latest start of the run in path stepped (flags.json), 0 when
+    it does not say."""
+    try:
+        with open(os.path.join(path, "flags.json")) as f:
+            flags = json.load(f)
+        per_actor = flags.get("envs_per_stream") or flags.get("envs_per_actor") or 1
+        return int(flags["num_actors"]) * int(per_actor)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def _finite(row, key):
     value = row.get(key, math.nan)
     return isinstance(value, float) and math.isfinite(value)
@@ -283,8 +327,10 @@ def read_curve(path):
     evals = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
                     if _finite(r, "eval_mean_episode_return")}.items())
     entropies = policy_entropies(rows, path)
+    timed = [r for r in rows if _finite(r, "_time")]
     return Curve(steps=list(points), returns=list(points.values()),
                  entropy_steps=[s for s, _ in entropies], entropies=[e for _, e in entropies],
+                 settling=resume_settling(timed, start_times(path), run_num_envs(path)),
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
@@ -581,7 +627,10 @@ HOW_TO_READ = (
     "half of the best it had reached (the first such fall of each: from the best to the low, "
     "at the step it happened); counted only for positive final returns. Falls: every such "
     "fall of every seed, a fall counting again only after the curve is back at 90% of its "
-    "best; the total, the mean per seed, and the seeds with at least one. Turned "
+    "best; the total, the mean per seed, and the seeds with at least one. Both pass over "
+    "the rows after a resume until as many episodes as the run has environments, and 100 "
+    "more, have ended: a resume starts every environment afresh, the short episodes end "
+    "first, and the mean dips though nothing was unlearnt. Turned "
     "deterministic: seeds whose policy's mean entropy in a logged batch fell below "
     f"{DETERMINISTIC_NATS} nats a step (one action in nearly every state), each time with "
     "its step and the training return then; it catches the collapses that come before a "

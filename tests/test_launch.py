@@ -328,6 +328,32 @@ def test_falls_are_counted_again_only_after_a_recovery_to_90_percent_of_the_best
     assert curve([-500, -100, -400, -90]).falls() == []
 
 
+def test_falls_pass_over_the_dip_after_a_resume_but_not_a_fall_that_lasts(tmp_path):
+    """A resume starts every environment afresh and the short episodes end first: the mean
+    dips until num_envs + 100 episodes have ended (4 x 8 + 100 = 132 here). A dip inside that
+    is no fall; one that lasts beyond it is, found in the rows after."""
+    header = ("_time", "step", "mean_episode_return", "episodes")
+    first = [(10.0 + i, 10 * i, r, 40 * i) for i, r in enumerate([2, 12, 16, 18, 20], 1)]
+    resumed = [(100.0, 60, 9.0, 230), (101.0, 70, 8.0, 300),  # 200 + 32 + 100 = 332 settles
+               (102.0, 80, 19.0, 340), (103.0, 90, 21.0, 400)]
+    lasting = [(100.0, 60, 9.0, 230), (101.0, 70, 8.0, 300), (102.0, 80, 7.0, 340),
+               (103.0, 90, 21.0, 400)]
+    for name, rows in ("dip", first + resumed), ("fall", first + lasting):
+        run = write_logs(tmp_path / name, rows, header)
+        (run / "meta.json.1").write_text(json.dumps({"start_unix": 5.0}))
+        (run / "meta.json").write_text(json.dumps({"start_unix": 99.0}))
+        (run / "flags.json").write_text(json.dumps({"num_actors": 4, "envs_per_stream": 8}))
+    dip = learn.read_curve(str(tmp_path / "dip"))
+    assert dip.settling == [(60, 80)]
+    assert dip.falls() == []
+    assert learn.read_curve(str(tmp_path / "fall")).falls() == [(80, 20.0, 7.0)]
+    # Without the resume's start time, or without the episodes column, nothing settles.
+    os.remove(tmp_path / "dip" / "meta.json")
+    assert learn.read_curve(str(tmp_path / "dip")).falls() == [(60, 20.0, 9.0)]
+    assert learn.resume_settling([{"_time": 1.0, "step": 10.0}, {"_time": 3.0, "step": 20.0}],
+                                 [0.0, 2.0], 8) == []
+
+
 def test_table_row_names_the_seeds_that_collapsed():
     spec = launch.RunSpec("MinAtar/Breakout-v1", "monobeast", 0, total_steps=7)
     results = [launch.RunResult(spec, "done", steps=7, target=7)] * 3
