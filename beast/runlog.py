@@ -155,6 +155,10 @@ class RunDir:
         return os.path.join(self.path, "tensorboard")
 
     @property
+    def tests_path(self):
+        return os.path.join(self.path, "tests.jsonl")
+
+    @property
     def videos_dir(self):
         return os.path.join(self.path, "videos")
 
@@ -164,6 +168,35 @@ class RunDir:
 
     def __repr__(self):
         return f"RunDir({self.path!r})"
+
+
+def record_test(path, step, policy, seed, returns):
+    """Appends one line to tests.jsonl at path: a --mode test of the checkpoint of `step`,
+    with the episodes' returns, so that its result outlives the terminal. One write of one
+    line, so a test run beside a training (which never writes this file) cannot tear it."""
+    record = {"time": time.time(), "step": int(step), "policy": policy, "seed": int(seed),
+              "returns": [float(r) for r in returns]}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_tests(path):
+    """The records of tests.jsonl at path, in the order written; [] without the file. A line
+    that does not parse (a disk that filled mid-line) is left out."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("returns"), list):
+            records.append(record)
+    return records
 
 
 def _keep_old(path):

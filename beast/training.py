@@ -761,12 +761,18 @@ def test(flags, variant):
     model.load_state_dict(checkpoint["model_state_dict"])
     paths = (video.paths_for_test(run_dir.videos_dir, checkpoint["step"], flags.test_episodes)
              if flags.record_video else [])
+    seed = flags.seed + 12345
     try:
-        returns = play_episodes(flags, model, flags.test_episodes, seed=flags.seed + 12345,
-                                video_paths=paths)
+        returns = play_episodes(flags, model, flags.test_episodes, seed=seed, video_paths=paths)
     except video.VideoError as e:
         raise UserError(f"{e}; videos finished before it stay in "
                         f"{run_dir.videos_dir}.") from None
+    try:
+        runlog.record_test(run_dir.tests_path, checkpoint["step"], flags.eval_policy, seed,
+                           returns)
+    except OSError as e:  # the result is printed below all the same
+        print(f"warning: cannot record the test in {run_dir.tests_path}: {e.strerror or e}",
+              file=sys.stderr)
     print(f"Played {len(returns)} episodes ({flags.eval_policy} actions) with the checkpoint "
           f"of step {checkpoint['step']}: "
           f"mean return {np.mean(returns):.2f} (min {np.min(returns):.1f}, "

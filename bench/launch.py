@@ -441,6 +441,8 @@ def grid_problems(args):
         problems.append(f"--total_steps must be positive (got {args.total_steps}).")
     if args.parallel < 1:
         problems.append(f"--parallel must be at least 1 (got {args.parallel}).")
+    if getattr(args, "test_episodes", 0) < 0:  # bench.learn's
+        problems.append(f"--test_episodes must not be negative (got {args.test_episodes}).")
     try:
         strays = sorted(set(parse_env_args(args.env_args)) - set(split_list(args.envs)))
         if strays:  # most likely a typo, which would otherwise be ignored silently

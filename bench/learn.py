@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 
@@ -144,6 +145,14 @@ class Curve:
     # [from, to) steps after each resume where the 100-episode mean is not yet the run's
     # (see resume_settling); falls() passes over them.
     settling: list = dataclasses.field(default_factory=list)
+    # The returns of the latest greedy `--mode test` of the run's last checkpoint
+    # (tests.jsonl), and that checkpoint's step; [] and nan without one.
+    test_returns: list = dataclasses.field(default_factory=list)
+    test_step: float = math.nan
+
+    @property
+    def test_return(self):
+        return statistics.fmean(self.test_returns) if self.test_returns else math.nan
 
     def first_at(self, threshold, evaluation=False):
         """The first step where the training curve (or, with evaluation, an offline
@@ -328,14 +337,56 @@ def read_curve(path):
                     if _finite(r, "eval_mean_episode_return")}.items())
     entropies = policy_entropies(rows, path)
     timed = [r for r in rows if _finite(r, "_time")]
+    test = latest_test(path)
     return Curve(steps=list(points), returns=list(points.values()),
                  entropy_steps=[s for s, _ in entropies], entropies=[e for _, e in entropies],
                  settling=resume_settling(timed, start_times(path), run_num_envs(path)),
+                 test_returns=test["returns"] if test else [],
+                 test_step=test["step"] if test else math.nan,
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
                                   start_times(path)),
                  eval_return=evals[-1][1] if evals else math.nan)
+
+
+def latest_test(path):
+    """The record (runlog.record_test) of the latest greedy test of the run's furthest
+    checkpoint, from its tests.jsonl; None without one."""
+    tests = [t for t in runlog.read_tests(os.path.join(path, "tests.jsonl"))
+             if t.get("policy") == "greedy" and isinstance(t.get("step"), (int, float))]
+    return max(tests, key=lambda t: t["step"], default=None) if tests else None
+
+
+def test_command(spec, savedir, episodes):
+    """The argv that plays `episodes` greedy episodes with the run's checkpoint (one process,
+    whatever launched the training: a test does not run under torchrun)."""
+    module, _ = launch.LAUNCHERS[spec.variant]
+    return [sys.executable, "-m", module, "--mode", "test", "--savedir", savedir, "--xpid",
+            spec.xpid, "--test_episodes", str(episodes), "--eval_policy", "greedy"]
+
+
+def needs_test(result, savedir, episodes):
+    """Whether a finished run lacks a greedy test of at least `episodes` episodes with a
+    checkpoint of its total_steps."""
+    if episodes <= 0 or not finished(result):
+        return False
+    test = latest_test(launch.run_dir(result.spec, savedir))
+    return not (test and test["step"] >= result.target and len(test["returns"]) >= episodes)
+
+
+def test_runs(results, savedir, episodes):
+    """Plays --test_episodes greedy episodes with each finished run's final checkpoint, one
+    run at a time, unless tests.jsonl already has such a test; a failed test is reported and
+    leaves the report's cell empty."""
+    todo = [r for r in results if needs_test(r, savedir, episodes)]
+    for index, result in enumerate(todo, 1):
+        launch.progress(f"test {index}/{len(todo)} {result.spec.xpid}: {episodes} episodes")
+        done = subprocess.run(test_command(result.spec, savedir, episodes), cwd=launch.REPO,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-launch.STDERR_TAIL_LINES:])
+            launch.progress(f"test of {result.spec.xpid} failed ({done.returncode}):\n{tail}")
 
 
 def policy_entropies(rows, path):
@@ -457,7 +508,8 @@ RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decim
 TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
                 "failures", "collapses", "falls", "turned deterministic",
                 "steps to solved (median)", "steps reached",
-                "wall time per run", "SPS", "eval return", "published reference"]
+                "wall time per run", "SPS", "eval return", "test return (greedy)",
+                "published reference"]
 
 
 def fmt_steps_to(curves, threshold):
@@ -496,7 +548,19 @@ def table_row(variant, results, curves, reference, threshold=None):
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
             fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
+            fmt_test(curves),
             (reference.value or "— (see below)") if reference else "—"]
+
+
+def fmt_test(curves):
+    """Mean ± std over seeds of each seed's greedy test return, and the episodes a seed."""
+    tested = [c for c in curves if c is not None and c.test_returns]
+    if not tested:
+        return "n/a"
+    counts = sorted({len(c.test_returns) for c in tested})
+    episodes = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (fmt_spread(spread([c.test_return for c in tested]), RETURN_DIGITS)
+            + f" ({len(tested)} seeds x {episodes} episodes)")
 
 
 def fmt_collapses(curves):
@@ -639,7 +703,11 @@ HOW_TO_READ = (
     "the first step where the training curve reached it, and, for runs with evaluations, "
     "where an evaluation of that step's weights did; (n/m) seeds got there. The training "
     "curve reports policies from further back the more environments a run has in flight "
-    "(its episodes started earlier), so compare layouts by the evaluations.")
+    "(its episodes started earlier), so compare layouts by the evaluations. Test return "
+    "(with `--test_episodes`): each seed's mean return over greedy episodes (the argmax "
+    "action) played with its final checkpoint, then mean ± std over seeds; the training "
+    "return samples its actions, so a policy that keeps more entropy scores lower there "
+    "than it plays.")
 
 
 def report(args, argv, results, plot_dir, link_base):
@@ -695,7 +763,14 @@ def make_parser():
     group.add_argument("--points", type=int, default=200,
                        help="Steps of the common grid the curves are interpolated on.")
     group.add_argument("--no_launch", action="store_true",
-                       help="Launch nothing: report on the runs already in the savedir.")
+                       help="Launch nothing (no training, no test): report on the runs "
+                            "already in the savedir.")
+    group.add_argument("--test_episodes", type=int, default=0,
+                       help="Once the runs are done, play this many greedy episodes with each "
+                            "finished run's final checkpoint (`--mode test`, kept in its "
+                            "tests.jsonl; a run tested before is not played again) and report "
+                            "their mean over seeds: the policy without its exploration, which "
+                            "the training return includes. 0: none.")
     return parser
 
 
@@ -722,6 +797,8 @@ def main(argv=None):
     args = launch.parse_args(make_parser(), argv)
     try:
         results = run_suite(args, suite_grid(args))
+        if not args.no_launch:
+            test_runs(results, args.savedir, args.test_episodes)
     except KeyboardInterrupt:
         launch.progress("stopped; run the same command again to resume")
         return 130

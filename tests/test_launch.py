@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from beast import runlog
 from bench import launch, learn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,20 +47,23 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     savedir, output = tmp_path / "runs", tmp_path / "report.md"
     argv = ["--envs", "CartPole-v1,Null-v0", "--variants", "monobeast", "--seeds", "0,1",
             "--total_steps", "2000", "--savedir", str(savedir), "--output", str(output),
-            "--parallel", "2", "--env_args", "Null-v0=--envs_per_actor 2", "--", *TINY]
+            "--parallel", "2", "--env_args", "Null-v0=--envs_per_actor 2",
+            "--test_episodes", "2", "--", *TINY]
     first = subprocess.run([sys.executable, "-m", "bench.learn", *argv], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
     assert len(re.findall(r"\] start \d/4 ", first.stderr)) == 4, first.stderr
     assert len(re.findall(r"\] done \d/4 ", first.stderr)) == 4, first.stderr
+    assert len(re.findall(r"\] test \d/4 ", first.stderr)) == 4, first.stderr
     for xpid in ("CartPole-v1-monobeast-s0", "CartPole-v1-monobeast-s1",
                  "Null-v0-monobeast-s0", "Null-v0-monobeast-s1"):
         for name in ("logs.csv", "stdout.txt", "stderr.txt", "launch.json", "model.tar"):
             assert (savedir / xpid / name).is_file(), f"{xpid}/{name}"
     assert "--envs_per_actor 2" in (savedir / "Null-v0-monobeast-s0" / "stderr.txt").read_text()
 
-    assert learn.main(argv) == 0  # again, in this process: nothing left to run
-    assert len(re.findall(r"\] skip \d/4 ", capsys.readouterr().err)) == 4
+    assert learn.main(argv) == 0  # again, in this process: nothing left to run or test
+    err = capsys.readouterr().err
+    assert len(re.findall(r"\] skip \d/4 ", err)) == 4 and "] test " not in err, err
     banners = (savedir / "CartPole-v1-monobeast-s0" / "stderr.txt").read_text().count("=== ")
     assert banners == 1, "a finished run was launched again"
 
@@ -71,6 +75,9 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
         assert cell(row, "failures") == "0"
         assert cell(row, "steps reached").endswith("of 2,000")
         assert cell(row, "final return (mean ± std)") != "n/a"
+        assert cell(row, "test return (greedy)").endswith("(2 seeds x 2 episodes)")
+        test = learn.read_curve(str(savedir / f"{env}-monobeast-s0"))
+        assert len(test.test_returns) == 2 and test.test_step >= 2000
         png = tmp_path / "plots" / f"{env}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{env}.png)" in report
@@ -186,9 +193,9 @@ def test_grid_flags_make_the_commands_and_report_every_problem():
                            "--no_progress", "--total_steps", "5000000", "--lr_x",
                            "--num_actors", "2", "--use_lstm"]
     bad = parser.parse_args(["--variants", "tribeast", "--seeds", "a", "--parallel", "0",
-                             "--env_args", "Pong=--x"])
+                             "--env_args", "Pong=--x", "--test_episodes", "-1"])
     problems = launch.grid_problems(bad)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     with pytest.raises(ValueError, match="ENV=ARGS"):
         launch.parse_env_args(["--num_actors 2"])
 
@@ -422,3 +429,29 @@ def test_two_rank_variant_starts_polybeast_under_torchrun():
                             "-m"]
     assert command[6] == "polybeast" and "--total_steps" in command
     assert spec.xpid == "CartPole-v1-polybeast-2ranks-s3"
+    # Its test plays on one process: --mode test refuses torchrun.
+    assert learn.test_command(spec, "/runs", 5)[1:] == [
+        "-m", "polybeast", "--mode", "test", "--savedir", "/runs", "--xpid", spec.xpid,
+        "--test_episodes", "5", "--eval_policy", "greedy"]
+
+
+def test_a_run_is_tested_again_only_for_a_later_checkpoint_or_more_episodes(tmp_path):
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=1000)
+    path = launch.run_dir(spec, str(tmp_path))
+    os.makedirs(path)
+    done = launch.RunResult(spec, "done", steps=1000, target=1000)
+    assert learn.needs_test(done, str(tmp_path), 5)
+    assert not learn.needs_test(done, str(tmp_path), 0)
+    assert not learn.needs_test(launch.RunResult(spec, "stopped", steps=500, target=1000),
+                                str(tmp_path), 5)  # unfinished: its checkpoint is not final
+    tests = os.path.join(path, "tests.jsonl")
+    runlog.record_test(tests, 500, "greedy", 1, [1.0] * 5)  # an earlier checkpoint
+    runlog.record_test(tests, 1000, "sample", 1, [1.0] * 5)  # not greedy
+    assert learn.needs_test(done, str(tmp_path), 5)
+    runlog.record_test(tests, 1000, "greedy", 1, [2.0, 4.0, 6.0])
+    assert learn.needs_test(done, str(tmp_path), 5) and not learn.needs_test(done, str(tmp_path), 3)
+    with open(tests, "a") as f:
+        f.write('{"time": 1, "step": 10')  # a torn last line is left out
+    curve = learn.read_curve(str(write_logs(tmp_path / spec.xpid, [(1.0, 1000, 3.0)])))
+    assert curve.test_returns == [2.0, 4.0, 6.0] and curve.test_return == 4.0
+    assert curve.test_step == 1000

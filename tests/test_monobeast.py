@@ -10,6 +10,7 @@ import csv
 import math
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 import monobeast
 from beast import envs, flags as beast_flags
 from beast import restarts
-from beast import rollout, training
+from beast import rollout, runlog, training
 from beast import checkpoint as ckpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,6 +154,7 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     assert "Resuming" in result.stderr
     second = ckpt.load_checkpoint(str(tmp_path / "r" / "model.tar"))
     assert second["step"] >= 40_000
+    second_step = second["step"]
     assert second["scheduler_state_dict"]["last_epoch"] > first["scheduler_state_dict"]["last_epoch"]
     rows = read_logs(tmp_path / "r")
     steps = [int(r["step"]) for r in rows]
@@ -161,6 +163,15 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     assert float(rows[-1]["learning_rate"]) < float(rows[0]["learning_rate"])
     test = run_monobeast(tmp_path, "--mode", "test", "--xpid", "r", "--test_episodes", 2)
     assert "mean return" in test.stdout
+    # Each test is kept in tests.jsonl: the checkpoint's step, how it acted, every return.
+    test = run_monobeast(tmp_path, "--mode", "test", "--xpid", "r", "--test_episodes", 3,
+                         "--eval_policy", "sample")
+    first, second = runlog.read_tests(str(tmp_path / "r" / "tests.jsonl"))
+    assert first["step"] == second["step"] == second_step
+    assert (first["policy"], len(first["returns"])) == ("greedy", 2)
+    assert (second["policy"], len(second["returns"])) == ("sample", 3)
+    mean = float(re.search(r"mean return (\S+) ", test.stdout).group(1))
+    assert mean == pytest.approx(np.mean(second["returns"]), abs=0.006)
 
 
 @contextlib.contextmanager
