@@ -367,6 +367,11 @@ def _add_logging_flags(group):
                             "actions sampled from it.")
     group.add_argument("--test_episodes", type=int, default=10,
                        help="Episodes to play in --mode test.")
+    group.add_argument("--eval_max_steps", type=int, default=100_000,
+                       help="Longest evaluation or --mode test game, in environment steps: a "
+                            "longer one is stopped and counts with its return so far, with a "
+                            "warning (a greedy policy can play some games without end; "
+                            "MinAtar's have no time limit). 0: no limit.")
     group.add_argument("--no_progress", action="store_true",
                        help="Do not draw the status line.")
     _add_video_and_wandb_flags(group)
@@ -444,6 +449,8 @@ def validate_flags(flags, extra_problems=()):
          f"--log_interval_steps must be at least 1 (got {flags.log_interval_steps}).")
     need(flags.eval_interval_steps >= 0,
          f"--eval_interval_steps must not be negative (got {flags.eval_interval_steps}).")
+    need(flags.eval_max_steps >= 0,
+         f"--eval_max_steps must not be negative (got {flags.eval_max_steps}).")
     need(flags.test_episodes >= 1, f"--test_episodes must be at least 1 (got {flags.test_episodes}).")
     if flags.num_torch_threads is not None:
         need(flags.num_torch_threads >= 1,

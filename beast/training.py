@@ -663,9 +663,13 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
     With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
     of the policy), as TorchBeast's test mode does; with sample, in train mode.
     video_paths: MP4 files for the screens of the first games (beast/video.py).
+    A game longer than --eval_max_steps is stopped there and counts with its return so far,
+    with a warning: a greedy policy can play some games without end (MinAtar's have no time
+    limit), and an evaluation that never ends would never be logged.
     """
     env = envs.RolloutAdapter(video.create_env(flags, video_paths), seed=seed)
     model.train(flags.eval_policy == "sample")
+    max_steps = getattr(flags, "eval_max_steps", 0)
     returns = []
     try:
         env_output = env.initial()
@@ -678,6 +682,13 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
             env_output = env.step(output["action"][0, 0].numpy())  # an int64, or float32 [A]
             if env_output["game_over"]:
                 returns.append(float(env_output["episode_return"]))
+            elif 0 < max_steps <= env_output["episode_step"]:
+                returns.append(float(env_output["episode_return"]))
+                print(f"warning: game {len(returns)} stopped at --eval_max_steps "
+                      f"{max_steps:,}, with a return of {returns[-1]:g} so far.",
+                      file=sys.stderr)
+                env_output = env.initial()
+                state = model.initial_state(1)
     finally:
         env.close()
     return returns

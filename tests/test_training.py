@@ -159,6 +159,16 @@ def test_greedy_evaluation_is_deterministic():
     assert training.play_episodes(flags, model, num_episodes=3, seed=5) == first
 
 
+def test_a_game_longer_than_eval_max_steps_is_stopped_and_counts_its_return_so_far(capsys):
+    """CartPole pays 1 a step and no game ends within 3 steps (the pole starts near upright):
+    each game is stopped at the third step with 3.0, and the next starts afresh."""
+    flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy", eval_max_steps=3)
+    assert training.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0) == [3.0] * 3
+    assert capsys.readouterr().err.count("stopped at --eval_max_steps 3,") == 3
+    flags.eval_max_steps = 0  # no limit: whole games
+    assert min(training.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0)) > 3
+
+
 def value_of(model, observation):
     """The model's baseline on one observation (one step, one environment)."""
     inputs = dict(frame=torch.tensor([[[observation]]], dtype=torch.float32),
