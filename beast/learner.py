@@ -90,7 +90,7 @@ def pg_loss(flags, inputs):
     """
     returns = inputs.vtrace_returns
     advantages = returns.pg_advantages
-    eps = getattr(flags, "pg_clip", 0.0)
+    eps = getattr(flags, "pg_clip", None) or 0.0  # None: flags made without env defaults
     if eps > 0:
         advantages = trust_region(advantages, returns.log_rhos, eps)
     return -(returns.target_action_log_probs * advantages).sum()

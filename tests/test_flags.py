@@ -209,6 +209,23 @@ def test_apply_env_defaults_never_overrides_a_given_flag(kind):
     assert {key: getattr(flags, key) for key in given} == given
 
 
+def test_a_run_saved_before_a_flag_resumes_with_what_it_did_then():
+    """--pg_clip came after runs were saved, and is on by default for images: a run whose
+    flags.json lacks it resumes with the trust region off, as it trained, unless it is typed;
+    a run saved with it keeps its value."""
+    def resumed(argv, saved):
+        flags = common_parser().parse_args(argv)
+        beast_flags.merge_saved_flags(flags, saved, beast_flags.explicit_flags(
+            common_parser(), argv))
+        return beast_flags.apply_env_defaults(flags, {"kind": "image"})
+
+    assert ENV_DEFAULTS["image"]["pg_clip"] > 0
+    assert resumed([], {"entropy_cost": 0.01}).pg_clip == 0.0
+    assert resumed([], {"pg_clip": 0.3}).pg_clip == 0.3
+    assert resumed(["--pg_clip", "0.1"], {"entropy_cost": 0.01}).pg_clip == 0.1
+    assert resumed([], {}).entropy_cost == ENV_DEFAULTS["image"]["entropy_cost"]
+
+
 def test_apply_env_defaults_rejects_an_unknown_kind_and_honours_names():
     flags = common_parser().parse_args([])
     with pytest.raises(ValueError, match="unknown environment kind 'pixels'"):
