@@ -289,6 +289,8 @@ def resume_settling(rows, starts, num_envs):
     `episodes` column. Without that column (hand-made logs) nothing is settling.
     """
     windows = []
+    # Training rows only: an evaluation row carries the step of its snapshot, not the time's.
+    rows = [r for r in rows if not _finite(r, "eval_mean_episode_return")]
     for start in starts[1:]:
         before = [r for r in rows if r["_time"] < start and _finite(r, "episodes")]
         after = [r for r in rows if r["_time"] >= start and _finite(r, "step")]

@@ -359,6 +359,14 @@ def test_falls_pass_over_the_dip_after_a_resume_but_not_a_fall_that_lasts(tmp_pa
     assert learn.read_curve(str(tmp_path / "dip")).falls() == [(60, 20.0, 9.0)]
     assert learn.resume_settling([{"_time": 1.0, "step": 10.0}, {"_time": 3.0, "step": 20.0}],
                                  [0.0, 2.0], 8) == []
+    # An evaluation row written after the resume carries an older snapshot's step: the
+    # window starts at the first training row.
+    rows = [{"_time": 1.0, "step": 10.0, "episodes": 5.0},
+            {"_time": 3.0, "step": 4.0, "eval_mean_episode_return": 1.0},
+            {"_time": 4.0, "step": 12.0, "episodes": 6.0},
+            {"_time": 5.0, "step": 14.0, "episodes": 110.0}]
+    assert learn.resume_settling(rows, [0.0, 2.0], 0) == [(12.0, 14.0)]  # 5 + 0 + 100
+    assert learn.resume_settling(rows, [0.0, 2.0], 8) == [(12.0, math.inf)]  # not yet
 
 
 def test_table_row_names_the_seeds_that_collapsed():
