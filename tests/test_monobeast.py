@@ -180,13 +180,14 @@ def monobeast_running(savedir, *args, env=None):
     cmd = [sys.executable, "-m", "monobeast", "--savedir", str(savedir), "--no_progress",
            *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, start_new_session=True)
     try:
         yield proc
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+            # The whole group: actors that outlived the learner would keep its pipes open.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
 
 
 def stop_with_sigterm(proc):
@@ -215,6 +216,34 @@ def actor_pids(pid):
         return [int(child) for child in f.read().split()]
 
 
+def is_running(pid):
+    """Whether process pid exists and has not exited (a zombie waits only to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_learner_leaves_no_actor_running(tmp_path):
+    """SIGKILL gives the learner no chance to tell its actors to stop: they notice that it is
+    gone within a second or two and exit, rather than wait on their queue for ever."""
+    with monobeast_running(tmp_path, "--xpid", "k", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000) as proc:
+        wait_for_rows(proc, tmp_path / "k")
+        actors = actor_pids(proc.pid)
+        assert actors
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(map(is_running, actors)) and time.time() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in actors if is_running(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, "actors still running after their learner was killed"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
     with monobeast_running(tmp_path, "--xpid", "s", "--total_steps", 100_000_000,
@@ -229,6 +258,12 @@ def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
     assert "--xpid s" in stderr
 
 
+def lasting_names(run_dir):
+    """The names in run_dir, without the first run's files of the moment (logs.csv.tmp, while
+    a row with a new column widens the header)."""
+    return sorted(name for name in os.listdir(run_dir) if not name.endswith(".tmp"))
+
+
 def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
     """One run directory, one training: a second learner on the same --xpid stops with one
     message naming the first, writes nothing, and the first run's resume works after it."""
@@ -237,14 +272,14 @@ def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
                            "--log_interval_steps", 2000) as first:
         wait_for_rows(first, run_dir)
         before = {name: (run_dir / name).read_bytes() for name in ("flags.json", "meta.json")}
-        names = sorted(os.listdir(run_dir))
+        names = lasting_names(run_dir)
         second = run_monobeast(tmp_path, "--xpid", "busy", "--total_steps", 10_000,
                                check=False, timeout=120)
         assert second.returncode == 2, second.stderr
         assert "Traceback" not in second.stderr
         assert "in use by another training" in second.stderr
         assert f"pid {first.pid} " in second.stderr and "--xpid" in second.stderr
-        assert sorted(os.listdir(run_dir)) == names  # no flags.json.1, meta.json.1
+        assert lasting_names(run_dir) == names  # no flags.json.1, meta.json.1
         assert {name: (run_dir / name).read_bytes() for name in before} == before
         assert first.poll() is None  # the first run goes on
         stderr = stop_with_sigterm(first)
