@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import monobeast
+import process_helpers
 from beast import envs, flags as beast_flags
 from beast import restarts
 from beast import rollout, runlog, training
@@ -216,15 +217,6 @@ def actor_pids(pid):
         return [int(child) for child in f.read().split()]
 
 
-def is_running(pid):
-    """Whether process pid exists and has not exited (a zombie waits only to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_killed_learner_leaves_no_actor_running(tmp_path):
     """SIGKILL gives the learner no chance to tell its actors to stop: they notice that it is
     gone within a second or two and exit, rather than wait on their queue for ever."""
@@ -235,10 +227,7 @@ def test_a_killed_learner_leaves_no_actor_running(tmp_path):
         assert actors
         proc.kill()
         proc.wait(timeout=30)
-        deadline = time.time() + 30
-        while any(map(is_running, actors)) and time.time() < deadline:
-            time.sleep(0.2)
-        left = [pid for pid in actors if is_running(pid)]
+        left = process_helpers.wait_gone(actors, timeout_s=30)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, "actors still running after their learner was killed"

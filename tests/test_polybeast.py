@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import polybeast
+import process_helpers
 from beast import checkpoint as ckpt
 from beast import restarts
 from beast import runlog
@@ -127,20 +128,8 @@ def descendants(pid):
     return found
 
 
-def alive(pid):
-    """True for a running process (a zombie, ended but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def wait_gone(pids):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
+    return process_helpers.wait_gone(pids, WAIT_S)
 
 
 def checkpoint_step(run_dir):
