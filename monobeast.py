@@ -22,7 +22,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -31,6 +30,7 @@ from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
 from beast import restarts
+from beast.restarts import when_orphaned  # act()'s `restarts` is a count
 from beast import rollout
 from beast import training
 from beast import vector_envs
@@ -189,7 +189,9 @@ def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, stat
                       seed=flags.seed * 100 + actor_index + 1_000_003 * restarts,
                       error_count=error_count, name=f"actor {actor_index}",
                       stepping=stepping)
-    exit_with_learner(os.getppid())
+    # A learner killed outright sends no stop, and the other actors keep the queue's pipe
+    # open: without this the actor would wait on free_queue for ever.
+    when_orphaned(os.getppid(), lambda: os._exit(0), name="learner-watch")
     try:
         while True:
             indices = []
@@ -203,18 +205,6 @@ def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, stat
                 full_queue.put(index)
     finally:
         sampler.close()
-
-
-def exit_with_learner(learner_pid, poll_s=1.0):
-    """Ends this actor process once its learner's is gone. A learner that was killed sends
-    no stop, and the other actors hold the queues' pipes open, so the actor would wait on
-    its queue for ever; a thread that looks once a second costs the acting nothing."""
-    def watch():
-        while os.getppid() == learner_pid:
-            time.sleep(poll_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="learner-watch", daemon=True).start()
 
 
 # ----------------------------------------------------------------------------

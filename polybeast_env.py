@@ -215,8 +215,8 @@ def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: server.stop())
     if parent_pid is not None:
-        threading.Thread(target=_stop_when_orphaned, args=(server, address, parent_pid),
-                         name="parent-watch", daemon=True).start()
+        restarts.when_orphaned(parent_pid, lambda: _stop_orphaned(server, address, parent_pid),
+                               poll_s=PARENT_POLL_S)
     owns_address = True
     try:
         server.run()
@@ -233,12 +233,9 @@ def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None
             _remove_socket(address)
 
 
-def _stop_when_orphaned(server, address, parent_pid):
-    """Stops the server once parent_pid is no longer its parent. A polybeast_env killed with
-    SIGKILL cannot stop its servers; without this they would serve on, orphaned, holding
-    their addresses and cores, and no learner would know to stop them."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
+def _stop_orphaned(server, address, parent_pid):
+    """Stops a server whose polybeast_env is gone (killed with SIGKILL, it could not stop
+    it): otherwise it would serve on, holding its address, and no learner would stop it."""
     print(f"polybeast_env: the process that started the server at {address} (pid {parent_pid}) "
           "is gone; stopping it", file=sys.stderr, flush=True)
     server.stop()

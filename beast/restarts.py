@@ -4,8 +4,13 @@ A process that dies while it serves (a crash in an environment's C code, the OOM
 hang that a watchdog ended) is started again. One that dies within QUICK_EXIT_S of its start
 never came up (an import error, an address it cannot take, an environment that crashes at
 once): on its first start that ends the run, and so do MAX_QUICK_RESTARTS such starts in a
-row, rather than a loop of restarts.
+row, rather than a loop of restarts. The other way round, a process whose parent died
+(killed, with no chance to stop it) ends itself: when_orphaned.
 """
+
+import os
+import threading
+import time
 
 QUICK_EXIT_S = 5.0
 MAX_QUICK_RESTARTS = 3
@@ -29,3 +34,16 @@ class RestartPolicy:
             return f"the last {self.quick} starts each ended within {QUICK_EXIT_S:g} s"
         self.restarts += 1
         return None
+
+
+def when_orphaned(parent_pid, action, poll_s=1.0, name="parent-watch"):
+    """Calls action() in a daemon thread once parent_pid is no longer this process's parent.
+    A parent killed with SIGKILL cannot stop its children; without this they would run on,
+    orphaned, holding their cores (and, blocked on a pipe that their siblings keep open,
+    waiting for ever). A look every poll_s seconds costs the process nothing."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        action()
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
