@@ -36,13 +36,16 @@ from beast import distributed
 from beast import restarts
 from beast import flags as beast_flags
 from beast import rollout
+from beast import tls
 from beast import training
 
 JOIN_TIMEOUT_S = 30
 SERVER_STOP_TIMEOUT_S = 15
 # Where the servers are belongs to this start of a run, not to the run: on a
 # resume these flags are never taken from the saved flags.json.
-PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_basename"})
+# So are the TLS files, which live on the machine that starts it.
+PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_basename",
+                             "tls_ca", "tls_cert", "tls_key", "tls_server_name"})
 # Environments behind each server stream, by kind of environment (beast/flags.py ENV_DEFAULTS).
 # On Atari, more streams with fewer environments spread the servers' stepping over the cores;
 # bench/ measures the choice (README, Performance).
@@ -88,6 +91,7 @@ def make_parser():
     parser.add_argument("--max_learner_queue_size", type=int, default=None,
                         help="Rollouts that may wait for the learner before the actors block; "
                              "a short queue keeps the policy lag small (default: batch_size).")
+    tls.add_learner_flags(parser)
     return parser
 
 
@@ -241,7 +245,7 @@ def check_flags(flags, info):
                         f"{libpolybeast.MAX_ENVS_PER_STREAM} (got {flags.envs_per_stream}).")
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
-    problems += _check_servers(flags)
+    problems += _check_servers(flags) or _check_tls(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
         flags.num_torch_threads = local_torch_threads(info["kind"], flags.num_actors)
     for name in ("num_actors", "num_inference_threads", "inference_torch_threads"):
@@ -298,6 +302,25 @@ def _check_servers(flags):
         directory = os.path.dirname(beast_flags.socket_path(flags.pipes_basename)) or "."
         if not os.path.isdir(directory):
             return [f"--pipes_basename: the directory {directory} does not exist."]
+    return []
+
+
+def _check_tls(flags):
+    """TLS is for env servers on other machines: HOST:PORT addresses of --server_addresses."""
+    try:
+        config = tls.learner_config(flags)
+    except ValueError as e:
+        return [str(e)]
+    if config is None:
+        return []
+    if flags.server_addresses is None:
+        return ["--tls_ca is for env servers started elsewhere (--server_addresses HOST:PORT,...); "
+                "the servers this learner starts listen on unix sockets on this machine."]
+    sockets = [a for a in beast_flags.parse_address_list(flags.server_addresses)
+               if beast_flags.socket_path(a)]
+    if sockets:
+        return [f"--tls_ca is for HOST:PORT addresses; {sockets[0]} is a unix socket on this "
+                "machine."]
     return []
 
 
@@ -555,14 +578,26 @@ def check_env_outputs(schema, env_outputs):
             f"(min {last_action.min()}, max {last_action.max()}).")
 
 
-def run_actor_pool(actor_pool, addresses):
+def run_actor_pool(actor_pool, addresses, flags):
     try:
         actor_pool.run()
     except RuntimeError as e:  # the first actor's error; it also closed the queues
         raise training.UserError(
             f"{e}\nThe actors stream from {', '.join(sorted(set(addresses)))}; start env "
             "servers there (python -m polybeast_env) or check --server_addresses / "
-            "--pipes_basename.") from None
+            f"--pipes_basename.{_tls_hint(flags, addresses)}") from None
+
+
+def _tls_hint(flags, addresses):
+    """What to check when servers over TCP did not answer: a TLS handshake that failed looks
+    like a server that is not there (gRPC logs the handshake's error above)."""
+    if all(beast_flags.socket_path(a) for a in addresses):
+        return ""
+    if flags.tls_ca is None:
+        return " Servers started with --tls_cert need --tls_ca here."
+    return (" With --tls_ca: the servers must serve TLS (--tls_cert) with a certificate signed "
+            "by it and made out to the host of each address (or --tls_server_name); servers "
+            "started with --tls_client_ca also need --tls_cert and --tls_key here.")
 
 
 # ----------------------------------------------------------------------------
@@ -592,12 +627,13 @@ def train_loop(run, models, servers):
     else:
         addresses = actor_addresses(flags, server_list(flags))
         remote = sorted({a for a in addresses if not beast_flags.is_loopback(a)})
-        if remote:
+        if remote and flags.tls_ca is None:
             print(f"warning: the env servers at {', '.join(remote)} are reached over the "
-                  "network; the traffic is neither authenticated nor encrypted.",
+                  "network; the traffic is neither authenticated nor encrypted (see --tls_ca).",
                   file=sys.stderr)
     learner_queue, inference_batcher, actor_pool = create_actor_pool(run, models, addresses)
-    threads = [run.errors.thread("actor-pool", run_actor_pool, actor_pool, addresses)]
+    threads = [run.errors.thread("actor-pool", run_actor_pool, actor_pool, addresses,
+                                 flags)]
     threads += [run.errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
                                   run.schema, run.device, flags.inference_torch_threads,
                                   on_error=inference_batcher.close)
@@ -642,7 +678,8 @@ def create_actor_pool(run, models, addresses):
         stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")),
         envs_per_stream=flags.envs_per_stream,
         # int64 0, or float32 zeros [A] for a Box action space (single-environment streams).
-        initial_last_action=run.schema.zeros((), source="env")["last_action"])
+        initial_last_action=run.schema.zeros((), source="env")["last_action"],
+        tls=tls.learner_config(flags))
     return learner_queue, inference_batcher, actor_pool
 
 

@@ -23,6 +23,8 @@ A server process that dies while serving (a crash in an environment's C code, th
 started again on its address, with fresh seeds, and the learner's actor thread reconnects to it;
 so is one whose environment has been in one step for --step_timeout_s (a hang), after it is killed.
 If polybeast_env itself is killed, its servers notice and stop.
+Servers that other machines reach can serve TLS (--tls_cert, --tls_key, --tls_client_ca;
+beast/tls.py).
 One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
 
 The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
@@ -43,6 +45,7 @@ import numpy as np
 
 from beast import flags as beast_flags
 from beast import restarts
+from beast import tls
 from beast.flags import is_loopback, socket_path, split_host_port
 
 PARENT_POLL_S = 0.5  # how often a server looks whether polybeast_env still runs
@@ -87,6 +90,7 @@ def make_parser():
                         help="Stop the servers when the process that started this one is gone "
                              "(python -m polybeast passes it, so a killed learner leaves no "
                              "servers behind).")
+    tls.add_server_flags(parser)
     return parser
 
 
@@ -205,10 +209,11 @@ def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None
     """
     import libpolybeast
 
+    tls_config = tls.server_config(flags)
     if not is_loopback(address):
-        print(f"polybeast_env: warning: listening on {address}, which other machines can reach; "
-              "the traffic is neither authenticated nor encrypted.", file=sys.stderr, flush=True)
-    server = libpolybeast.EnvServer(EnvFactory(flags, server_index, life, stepping), address)
+        _warn_exposed(address, tls_config)
+    server = libpolybeast.EnvServer(EnvFactory(flags, server_index, life, stepping), address,
+                                    tls=tls_config)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:
@@ -233,6 +238,20 @@ def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None
             _remove_socket(address)
 
 
+def _warn_exposed(address, tls_config):
+    """Says what a server that other machines can reach lets them do."""
+    if tls_config is None:
+        what = ("the traffic is neither authenticated nor encrypted (see --tls_cert and "
+                "--tls_client_ca)")
+    elif "root_certs" not in tls_config:
+        what = ("TLS encrypts the traffic, but any client may connect; --tls_client_ca admits "
+                "only learners with a certificate signed by it")
+    else:
+        return  # encrypted, and only learners with a certificate of --tls_client_ca connect
+    print(f"polybeast_env: warning: listening on {address}, which other machines can reach; "
+          f"{what}.", file=sys.stderr, flush=True)
+
+
 def _stop_orphaned(server, address, parent_pid):
     """Stops a server whose polybeast_env is gone (killed with SIGKILL, it could not stop
     it): otherwise it would serve on, holding its address, and no learner would stop it."""
@@ -251,6 +270,18 @@ def _remove_socket(address):
             pass
 
 
+def _tls_problems(flags, addresses):
+    """TLS needs TCP addresses (--address): unix sockets stay on this machine."""
+    try:
+        config = tls.server_config(flags)
+    except ValueError as error:
+        return [str(error)]
+    if config is not None and any(socket_path(a) for a in addresses):
+        return ["--tls_cert is for servers that other machines reach: give --address HOST:PORT "
+                "(unix sockets stay on this machine)."]
+    return []
+
+
 def main(argv=None):
     parent = os.getppid()  # before anything slow: the parent may die while we start
     flags = make_parser().parse_args(argv)
@@ -265,6 +296,8 @@ def main(argv=None):
         addresses = server_addresses(flags)
     except ValueError as error:
         problems.append(f"{error}.")
+    else:
+        problems += _tls_problems(flags, addresses)
     if problems:
         sys.exit(f"polybeast_env: {beast_flags.FlagError(problems)}")
     try:

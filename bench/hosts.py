@@ -13,6 +13,10 @@ over windows of rows, as in bench.endtoend):
                  --envs_per_stream of `local`, so both have the same environments in flight.
   other host     the same over TCP between two network namespaces joined by a veth pair, as
                  two hosts on one machine (needs root and iproute2; skipped otherwise).
+  other host, TLS
+                 the same with TLS both ways (--tls_cert, --tls_key and --tls_client_ca on the
+                 servers, --tls_ca, --tls_cert and --tls_key on the learner; certificates made
+                 with beast.tls; needs the openssl command, skipped otherwise).
   other host, learner's defaults
                  the README's multi-machine recipe as written: no --envs_per_stream, so the
                  servers get what the learner asks for servers elsewhere.
@@ -24,6 +28,7 @@ reached and, in the last, how many environments each stream carries. Prints a ma
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +39,7 @@ import time
 from bench import endtoend
 from bench import netns
 from bench import run as bench_run
+from beast import tls
 
 REPO = endtoend.REPO
 
@@ -75,12 +81,12 @@ def free_ports(count, host="127.0.0.1"):
     raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
-def start_servers(env, count, host, port, workdir, prefix=()):
+def start_servers(env, count, host, port, workdir, prefix=(), args=()):
     """`count` env servers at host:port.. in their own session; returns (process, addresses)."""
     log = open(os.path.join(workdir, f"servers-{host}-{port}.out"), "w")
     process = subprocess.Popen(
         [*prefix, sys.executable, "-m", "polybeast_env", "--env", env, "--num_servers",
-         str(count), "--address", f"{host}:{port}"],
+         str(count), "--address", f"{host}:{port}", *args],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return process, ",".join(f"{host}:{port + i}" for i in range(count))
@@ -134,12 +140,39 @@ def remote_rows(options, layout, interval, workdir):
         rows.append(("other host, TCP over a veth pair", f"{servers} servers x {per_stream}",
                      measure("otherhost", options.env, ["--server_addresses", addresses, *same],
                              options, workdir, interval, learner)))
+        rows += tls_rows(options, hosts, (servers, per_stream), same, interval, workdir)
         default = endtoend.resolve(endtoend.Workload("d", "polybeast", options.env, "", common))
         rows.append(("other host, the learner's defaults",
                      f"{servers} servers x {default.flags.envs_per_stream}",
                      measure("otherhost-defaults", options.env, common, options, workdir,
                              interval, learner)))
     return rows
+
+
+def tls_rows(options, hosts, layout, same, interval, workdir):
+    """The other-host row again with TLS both ways, client certificates included."""
+    if shutil.which("openssl") is None:
+        print("[hosts] skipping the TLS row: no openssl command to make certificates",
+              file=sys.stderr)
+        return []
+    servers, per_stream = layout
+    certs = os.path.join(workdir, "certs")
+    os.makedirs(certs)
+    tls.make_ca(certs)
+    tls.make_cert(certs, "server", hosts=[hosts.address[0]])
+    tls.make_cert(certs, "learner")
+    server_args = ["--tls_cert", f"{certs}/server.pem", "--tls_key", f"{certs}/server.key",
+                   "--tls_client_ca", f"{certs}/ca.pem"]
+    learner_args = ["--tls_ca", f"{certs}/ca.pem", "--tls_cert", f"{certs}/learner.pem",
+                    "--tls_key", f"{certs}/learner.key"]
+    process, addresses = start_servers(options.env, servers, hosts.address[0], 4100, workdir,
+                                       ("ip", "netns", "exec", hosts.names[0]), server_args)
+    hosts.processes.append(process)
+    learner = ("ip", "netns", "exec", hosts.names[1])
+    return [("other host, TLS with client certificates", f"{servers} servers x {per_stream}",
+             measure("otherhost-tls", options.env,
+                     ["--server_addresses", addresses, *same, *learner_args], options, workdir,
+                     interval, learner))]
 
 
 def main(argv=None):
@@ -156,7 +189,7 @@ def main(argv=None):
         rows += remote_rows(options, layout, interval, workdir)
     with open("/proc/cpuinfo") as f:
         cpu, bf16 = bench_run.cpu_description(f.read())
-    print(f"PolyBeast {options.env}, env servers reached three ways "
+    print(f"PolyBeast {options.env}, env servers reached {len(rows)} ways "
           f"(`python -m bench.hosts {' '.join(argv if argv is not None else sys.argv[1:])}`, "
           f"{started}, {cpu}, {len(os.sched_getaffinity(0))} cores; learner intra-op threads "
           f"{flags.num_torch_threads} in every row):\n")

@@ -92,7 +92,8 @@ class ActorPool {
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
             std::vector<std::string> env_keys, double connect_timeout_s,
             double stream_timeout_s, int64_t envs_per_stream = 0,
-            Array initial_last_action = filled_array<int64_t>(dtypes::kInt64, 0, {}))
+            Array initial_last_action = filled_array<int64_t>(dtypes::kInt64, 0, {}),
+            TlsConfig tls = {})
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
@@ -102,7 +103,8 @@ class ActorPool {
         connect_timeout_(std::chrono::duration<double>(connect_timeout_s)),
         stream_timeout_(std::chrono::duration<double>(stream_timeout_s)),
         envs_per_stream_(envs_per_stream),
-        initial_last_action_(std::move(initial_last_action)) {
+        initial_last_action_(std::move(initial_last_action)),
+        tls_(std::move(tls)) {
     if (unroll_length_ < 1) throw std::invalid_argument("unroll_length must be >= 1");
     if (!learner_queue_ || !inference_batcher_) {
       throw std::invalid_argument("learner_queue and inference_batcher are required");
@@ -116,8 +118,14 @@ class ActorPool {
     for (const std::string& key : env_keys_) {
       if (key.empty()) throw std::invalid_argument("env_keys must not contain an empty name");
     }
+    tls_.check_client();
     for (const std::string& address : addresses_) {
-      if (is_raw_address(address)) raw_socket_address(address);  // throws for a bad one
+      if (!is_raw_address(address)) continue;
+      raw_socket_address(address);  // throws for a bad one
+      if (tls_.enabled()) {
+        throw std::invalid_argument("TLS is for gRPC addresses; " + address +
+                                    " is a unix socket on this machine");
+      }
     }
   }
   // run() has joined every thread before the pool can be destroyed.
@@ -343,7 +351,7 @@ class ActorPool {
     // "actor-<index>" in top -H, py-spy and bench.cpushare, which split the cores by thread name.
     pthread_setname_np(pthread_self(), ("actor-" + std::to_string(index)).substr(0, 15).c_str());
     try {
-      std::unique_ptr<EnvConnection> connection = EnvConnection::create(addresses_[index]);
+      std::unique_ptr<EnvConnection> connection = EnvConnection::create(addresses_[index], tls_);
 
       Clock::time_point last_contact = Clock::now();  // the last Step received
       std::optional<Clock::time_point> progress;  // see check_progress
@@ -656,6 +664,7 @@ class ActorPool {
   const std::chrono::duration<double> stream_timeout_;
   const int64_t envs_per_stream_;  // asked of every server; 0: ask for nothing
   const Array initial_last_action_;  // a single-environment stream's first last_action
+  const TlsConfig tls_;  // for gRPC addresses; empty: plain gRPC
 
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases

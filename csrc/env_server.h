@@ -30,6 +30,9 @@
 // actions (float [N, A] for a Box action space). Its own `restarts` attribute, if any (the environments it
 // restarted itself), adds to env_errors.
 //
+// With a TlsConfig (tls.h) a gRPC address serves TLS: the server's certificate, and with
+// root_certs only clients whose certificate that CA signed. Without one, plain gRPC.
+//
 // An address in use is refused: TCP ports are bound without SO_REUSEPORT
 // (gRPC's default would let a second server share the port and split the
 // connections), and a unix socket file that accepts connections is not
@@ -82,16 +85,23 @@
 #include "raw_socket.h"
 #include "rpcenv.grpc.pb.h"
 #include "stream_layout.h"
+#include "tls.h"
 
 namespace beast {
 
 class EnvServer {
  public:
-  EnvServer(py::object env_factory, std::string address, double keepalive_s = 10.0)
+  EnvServer(py::object env_factory, std::string address, double keepalive_s = 10.0,
+            TlsConfig tls = {})
       : env_factory_(std::move(env_factory)), address_(std::move(address)),
-        keepalive_ms_(static_cast<int>(keepalive_s * 1000)) {
+        keepalive_ms_(static_cast<int>(keepalive_s * 1000)), tls_(std::move(tls)) {
     if (!(keepalive_s >= 0.001 && keepalive_s <= 86400)) {
       throw std::invalid_argument("keepalive_s must be between 0.001 and 86400");
+    }
+    tls_.check_server();
+    if (tls_.enabled() && is_raw_address(address_)) {
+      throw std::invalid_argument("TLS is for gRPC addresses; " + address_ +
+                                  " is a unix socket on this machine");
     }
   }
   // Called with the GIL held; run() cannot be active (it holds a reference).
@@ -114,7 +124,7 @@ class EnvServer {
       throw std::runtime_error(in_use);
     }
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(address_, grpc::InsecureServerCredentials());
+    builder.AddListeningPort(address_, server_credentials(tls_));
     builder.RegisterService(&service_);
     builder.SetMaxReceiveMessageSize(-1);
     builder.SetMaxSendMessageSize(-1);
@@ -126,8 +136,11 @@ class EnvServer {
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     if (!server) {
       if (accepts_connections(address_)) throw std::runtime_error(in_use);
-      throw std::runtime_error("EnvServer: could not listen on '" + address_ +
-                               "' (address in use, bad address, or directory not writable?)");
+      throw std::runtime_error(
+          "EnvServer: could not listen on '" + address_ +
+          (tls_.enabled() ? "' (address in use, bad address, or a TLS certificate and key "
+                            "that gRPC cannot read or that do not match?)"
+                          : "' (address in use, bad address, or directory not writable?)"));
     }
     // Streams wait on their clients; the deadline cancels them.
     wait_for_stop(check_interrupt, [&server]() {
@@ -527,6 +540,7 @@ class EnvServer {
   py::object env_factory_;  // touched only with the GIL held
   const std::string address_;
   const int keepalive_ms_;
+  const TlsConfig tls_;  // empty: plain gRPC
   Service service_{this};
   std::mutex mu_;
   std::condition_variable stop_cv_;

@@ -1,6 +1,6 @@
 // An actor's stream to its env server, whatever carries it:
 //
-//   EnvConnection::create(address) --open(envs_per_stream)--> EnvStream: read(Step) / write(Action)
+//   EnvConnection::create(address, tls) --open(envs_per_stream)--> EnvStream: read(Step) / write(Action)
 //
 // "raw:PATH" is a unix socket of raw_socket.h (servers on this machine, no
 // gRPC in between); every other address is gRPC's (unix:PATH, HOST:PORT),
@@ -21,6 +21,7 @@
 #include "raw_socket.h"
 #include "rpcenv.grpc.pb.h"
 #include "stream_layout.h"
+#include "tls.h"
 
 namespace beast {
 
@@ -44,7 +45,9 @@ class EnvConnection {
   // took about 100 ms, so a loop around it does not spin.
   virtual std::unique_ptr<EnvStream> open(int64_t envs_per_stream) = 0;
 
-  static std::unique_ptr<EnvConnection> create(const std::string& address);
+  // tls applies to gRPC addresses (raw: ones are local unix sockets).
+  static std::unique_ptr<EnvConnection> create(const std::string& address,
+                                               const TlsConfig& tls);
 };
 
 class GrpcEnvStream final : public EnvStream {
@@ -71,7 +74,7 @@ class GrpcEnvStream final : public EnvStream {
 
 class GrpcEnvConnection final : public EnvConnection {
  public:
-  explicit GrpcEnvConnection(const std::string& address) {
+  GrpcEnvConnection(const std::string& address, const TlsConfig& tls) {
     grpc::ChannelArguments args;
     // A local subchannel pool keeps this channel's reconnect backoff its own.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
@@ -80,7 +83,8 @@ class GrpcEnvConnection final : public EnvConnection {
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     args.SetMaxReceiveMessageSize(-1);  // large observations
     args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);  // env servers are never behind an HTTP proxy
-    channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    if (!tls.target_name.empty()) args.SetSslTargetNameOverride(tls.target_name);
+    channel_ = grpc::CreateCustomChannel(address, channel_credentials(tls), args);
     stub_ = rpcenv::RPCEnvServer::NewStub(channel_);
   }
   std::unique_ptr<EnvStream> open(int64_t envs_per_stream) override {
@@ -149,9 +153,10 @@ class RawEnvConnection final : public EnvConnection {
   const std::string address_;
 };
 
-inline std::unique_ptr<EnvConnection> EnvConnection::create(const std::string& address) {
+inline std::unique_ptr<EnvConnection> EnvConnection::create(const std::string& address,
+                                                           const TlsConfig& tls) {
   if (is_raw_address(address)) return std::make_unique<RawEnvConnection>(address);
-  return std::make_unique<GrpcEnvConnection>(address);
+  return std::make_unique<GrpcEnvConnection>(address, tls);
 }
 
 }  // namespace beast

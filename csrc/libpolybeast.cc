@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 #include "env_server.h"
 #include "nest.h"
 #include "stream_layout.h"
+#include "tls.h"
 
 namespace py = pybind11;
 using beast::ActorPool;
@@ -27,6 +29,7 @@ using beast::BatchingQueue;
 using beast::DynamicBatcher;
 using beast::EnvServer;
 using beast::Nest;
+using beast::TlsConfig;
 
 namespace {
 
@@ -208,6 +211,11 @@ PYBIND11_MODULE(libpolybeast, m) {
       "metadata 'envs-per-stream: N' when the stream opens), which a server started\n"
       "without its own --envs_per_stream follows; 0 (the default) asks for nothing, as\n"
       "TorchBeast's actors do. At most MAX_ENVS_PER_STREAM.\n\n"
+      "tls (a dict of PEM texts, default None: plain gRPC) makes the gRPC streams TLS:\n"
+      "root_certs, the CA that signed the servers' certificates (required);\n"
+      "cert_chain and private_key, this learner's own, for servers that require one;\n"
+      "target_name, the name the servers' certificate carries when it is not the host\n"
+      "of the address. raw: addresses (local unix sockets) cannot use it.\n\n"
       "A server that ends the stream, or sends no Step for stream_timeout_s (only the\n"
       "wait for the server counts, not inference or the learner queue), is reconnected\n"
       "to with a fresh agent state; 'lost the env server' is logged at most once per\n"
@@ -219,27 +227,27 @@ PYBIND11_MODULE(libpolybeast, m) {
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
                        double connect_timeout_s, double stream_timeout_s,
-                       int64_t envs_per_stream, py::handle initial_last_action) {
-             if (initial_last_action.is_none()) {
-               return std::make_unique<ActorPool>(
-                   unroll_length, std::move(learner_queue), std::move(inference_batcher),
-                   std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
-                   std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream);
-             }
-             Nest last = beast::nest_from_python(initial_last_action, "initial_last_action");
-             if (last.kind != Nest::Kind::kArray) {
-               throw std::invalid_argument("initial_last_action must be a numpy array");
+                       int64_t envs_per_stream, py::handle initial_last_action,
+                       std::optional<std::map<std::string, std::string>> tls) {
+             beast::Array last = beast::filled_array<int64_t>(beast::dtypes::kInt64, 0, {});
+             if (!initial_last_action.is_none()) {
+               Nest nest = beast::nest_from_python(initial_last_action, "initial_last_action");
+               if (nest.kind != Nest::Kind::kArray) {
+                 throw std::invalid_argument("initial_last_action must be a numpy array");
+               }
+               last = std::move(nest.array);
              }
              return std::make_unique<ActorPool>(
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
                  std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream,
-                 std::move(last.array));
+                 std::move(last), tls ? TlsConfig::from_map(*tls) : TlsConfig{});
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
            py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
            py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0,
-           py::arg("envs_per_stream") = 0, py::arg("initial_last_action") = py::none())
+           py::arg("envs_per_stream") = 0, py::arg("initial_last_action") = py::none(),
+           py::arg("tls") = py::none())
       .def(
           "run", [](ActorPool& pool) { wait_without_gil([&] { pool.run(check_signals); }); },
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
@@ -275,9 +283,19 @@ PYBIND11_MODULE(libpolybeast, m) {
       "environment's step() gets Action.action (an int) if the client sent it, else\n"
       "nest_action as a numpy array.\n\n"
       "Clients with open streams are pinged every keepalive_s seconds; one that does\n"
-      "not answer within keepalive_s is dropped and its environments closed.")
-      .def(py::init<py::object, std::string, double>(), py::arg("env_factory"),
-           py::arg("server_address"), py::arg("keepalive_s") = 10.0)
+      "not answer within keepalive_s is dropped and its environments closed.\n\n"
+      "tls (a dict of PEM texts, default None: plain gRPC) serves over TLS:\n"
+      "cert_chain and private_key, the server's certificate and key (required);\n"
+      "root_certs, a CA: given, only clients with a certificate signed by it connect.\n"
+      "Not for raw: addresses.")
+      .def(py::init([](py::object env_factory, std::string server_address, double keepalive_s,
+                       std::optional<std::map<std::string, std::string>> tls) {
+             return std::make_unique<EnvServer>(std::move(env_factory), std::move(server_address),
+                                                keepalive_s,
+                                                tls ? TlsConfig::from_map(*tls) : TlsConfig{});
+           }),
+           py::arg("env_factory"), py::arg("server_address"), py::arg("keepalive_s") = 10.0,
+           py::arg("tls") = py::none())
       .def(
           "run", [](EnvServer& server) { wait_without_gil([&] { server.run(check_signals); }); },
           "Serves until stop(). Raises RuntimeError if the address cannot be bound, or\n"

@@ -9,13 +9,15 @@ have_grpc() {
     command -v pkg-config >/dev/null && pkg-config --exists grpc++ protobuf \
         && command -v protoc >/dev/null && command -v grpc_cpp_plugin >/dev/null
 }
-# What apt must add: the gRPC toolchain when missing, and, as root, iproute2 (`ip netns`: the
+# What apt must add: the gRPC toolchain when missing, openssl, and, as root, iproute2 (`ip netns`: the
 # multi-host tests build hosts on one machine with it; they need root, and skip without it).
 PACKAGES=""
 if ! have_grpc; then
     PACKAGES="build-essential pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev"
 fi
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null; then PACKAGES="$PACKAGES iproute2"; fi
+# openssl: python -m beast.tls makes certificates with it (and the TLS tests, theirs).
+if ! command -v openssl >/dev/null; then PACKAGES="$PACKAGES openssl"; fi
 if [ -n "$PACKAGES" ]; then
     if command -v apt-get >/dev/null; then
         SUDO=""

@@ -114,13 +114,18 @@ class ServerThread:
 class Client:
     """One StreamingEnv stream, stepped one action at a time."""
 
-    def __init__(self, rpcenv, address, metadata=None):
+    def __init__(self, rpcenv, address, metadata=None, credentials=None, options=(),
+                 ready_timeout_s=JOIN_TIMEOUT_S):
         import grpc
 
         pb2, pb2_grpc = rpcenv
         self.pb2 = pb2
-        self.channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
-        grpc.channel_ready_future(self.channel).result(timeout=JOIN_TIMEOUT_S)
+        options = [("grpc.enable_http_proxy", 0), *options]
+        if credentials is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:  # TLS (tests/test_tls.py)
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        grpc.channel_ready_future(self.channel).result(timeout=ready_timeout_s)
         self.actions = queue.Queue()
         self.steps = pb2_grpc.RPCEnvServerStub(self.channel).StreamingEnv(self._requests(),
                                                                            metadata=metadata)
@@ -460,9 +465,10 @@ ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_s
 
 
 def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0,
-                     envs_per_stream=0, stream_timeout_s=30.0):
+                     envs_per_stream=0, stream_timeout_s=30.0, tls=None):
     """Runs an ActorPool (action = frame[0] % 3) on one server until num_rollouts arrive, or
-    run() fails. Returns (rollouts, pool, the error run() raised or None)."""
+    run() fails. Returns (rollouts, pool, the error run() raised or None). tls: the pool's
+    (test_tls.py)."""
     learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
                                                maximum_queue_size=num_rollouts)
     batcher = libpolybeast.DynamicBatcher(batch_dim=1, timeout_ms=5)
@@ -470,7 +476,7 @@ def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeou
         unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
         env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS,
         connect_timeout_s=connect_timeout_s, envs_per_stream=envs_per_stream,
-        stream_timeout_s=stream_timeout_s)
+        stream_timeout_s=stream_timeout_s, tls=tls)
     run_errors = []
 
     def inference():

@@ -11,6 +11,7 @@ stopped when the job ends.
 import json
 import os
 import pathlib
+import shutil
 import socket
 import stat
 import subprocess
@@ -80,10 +81,15 @@ def slurm_env(tmp_path, **settings):
     return env
 
 
-def test_slurm_script_runs_servers_and_two_learner_ranks(tmp_path):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "TLS_DIR"])
+def test_slurm_script_runs_servers_and_two_learner_ranks(tmp_path, tls):
+    """With TLS_DIR, the job's certificates are made there and both sides use them."""
+    if tls and shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make certificates")
     env_port = free_port()
+    settings = dict(TLS_DIR=tmp_path / "tls") if tls else {}
     env = slurm_env(tmp_path, ENV_NODES=1, SERVERS_PER_NODE=2, GPUS_PER_NODE=1,
-                    ENV_PORT=env_port, MASTER_PORT=free_port())
+                    ENV_PORT=env_port, MASTER_PORT=free_port(), **settings)
     result = subprocess.run(
         ["bash", "scripts/slurm.sh", "--env", "CartPole-v1", "--savedir", str(tmp_path / "logs"),
          "--xpid", "run", "--no_progress", "--num_actors", "2", "--total_steps", "20000",
@@ -99,6 +105,12 @@ def test_slurm_script_runs_servers_and_two_learner_ranks(tmp_path):
     rows = runlog.read_logs(tmp_path / "logs" / "run" / "logs.csv")
     assert int(rows[-1]["step"]) >= 20000
     assert float(rows[-1]["mean_episode_return"]) > 0
+    if tls:
+        assert sorted(os.listdir(tmp_path / "tls" / "job")) == [
+            "ca.key", "ca.pem", "learner.key", "learner.pem", "server.key", "server.pem"]
+        # The learners dialled the servers with TLS (so the servers served it: a TLS client
+        # gets nothing from a plain server).
+        assert "--tls_ca" in meta["command"] and "--tls_cert" in meta["command"]
     # The job's end stopped the servers.
     left = subprocess.run(["pgrep", "-f", f"tcp:127.0.0.1:{env_port}"], capture_output=True)
     assert left.returncode == 1, left.stdout

@@ -11,7 +11,8 @@ implementation of the wire format, not against our own EnvServer:
   episode's totals, and its observation is reset()'s.
 
 For tests of broken servers it can also end each stream, or go silent, after a given number of
-Steps (steps_per_stream, then="end" or "hang").
+Steps (steps_per_stream, then="end" or "hang"). With grpc server credentials it serves TLS
+(tests/test_tls.py).
 """
 
 import importlib
@@ -108,7 +109,8 @@ class TorchBeastServer:
     steps_per_stream: end each stream (then="end") or stop answering it (then="hang") once it
     has sent that many Steps; None (the default) serves as TorchBeast does."""
 
-    def __init__(self, rpcenv, address, env_factory=LivesEnv, steps_per_stream=None, then="end"):
+    def __init__(self, rpcenv, address, env_factory=LivesEnv, steps_per_stream=None, then="end",
+                 credentials=None):
         import grpc
 
         self.grpc = grpc
@@ -126,7 +128,11 @@ class TorchBeastServer:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         pb2_grpc.add_RPCEnvServerServicer_to_server(Servicer(), self.server)
-        assert self.server.add_insecure_port(address) != 0, f"could not listen on {address}"
+        if credentials is None:
+            port = self.server.add_insecure_port(address)
+        else:
+            port = self.server.add_secure_port(address, credentials)
+        assert port != 0, f"could not listen on {address}"
         self.server.start()
 
     def step_proto(self, observation, reward, done, episode_step, episode_return):
