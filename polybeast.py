@@ -590,7 +590,7 @@ def run_actor_pool(actor_pool, addresses, flags):
 
 def _tls_hint(flags, addresses):
     """What to check when servers over TCP did not answer: a TLS handshake that failed looks
-    like a server that is not there (gRPC logs the handshake's error above)."""
+    like a server that is not there (gRPC logs some handshake errors above, not all)."""
     if all(beast_flags.socket_path(a) for a in addresses):
         return ""
     if flags.tls_ca is None:

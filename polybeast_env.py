@@ -23,9 +23,9 @@ A server process that dies while serving (a crash in an environment's C code, th
 started again on its address, with fresh seeds, and the learner's actor thread reconnects to it;
 so is one whose environment has been in one step for --step_timeout_s (a hang), after it is killed.
 If polybeast_env itself is killed, its servers notice and stop.
+One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
 Servers that other machines reach can serve TLS (--tls_cert, --tls_key, --tls_client_ca;
 beast/tls.py).
-One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
 
 The environment flags (--env, --env_backend, --episodic_life, ...) are the learners' own, declared
 once in beast/flags.py (add_env_flags); a learner passes its values with beast.flags.env_flag_args.

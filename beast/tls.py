@@ -1,6 +1,6 @@
 """TLS between PolyBeast's learners and env servers on other machines: flags and PEM files.
 
-    python -m polybeast_env --address 0.0.0.0:4000 --tls_cert server.pem --tls_key server.key \
+    python -m polybeast_env --address HOST:PORT --tls_cert server.pem --tls_key server.key \
         [--tls_client_ca ca.pem]
     python -m polybeast --server_addresses envhost:4000,... --tls_ca ca.pem \
         [--tls_cert learner.pem --tls_key learner.key]
