@@ -27,6 +27,7 @@ import sys
 # OpenSSL's forms ("PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY").
 PEM_BLOCKS = {"certificate": re.compile(r"-----BEGIN CERTIFICATE-----"),
               "key": re.compile(r"-----BEGIN ([A-Z]+ )?PRIVATE KEY-----")}
+KEY_HELP = "The private key of --tls_cert (a PEM file, unencrypted)."
 
 
 def add_server_flags(parser):
@@ -36,7 +37,7 @@ def add_server_flags(parser):
                             "any): learners then need --tls_ca, the CA that signed it, and "
                             "dial a host it names. Needs --tls_key.")
     group.add_argument("--tls_key", default=None,
-                       help="The private key of --tls_cert (a PEM file, unencrypted).")
+                       help=KEY_HELP)
     group.add_argument("--tls_client_ca", default=None,
                        help="Accept only learners that show a certificate signed by this CA "
                             "(a PEM file; they give it with --tls_cert and --tls_key). Without "
@@ -53,7 +54,7 @@ def add_learner_flags(parser):
                        help="This learner's certificate (a PEM file), for servers started with "
                             "--tls_client_ca. Needs --tls_key and --tls_ca.")
     group.add_argument("--tls_key", default=None,
-                       help="The private key of --tls_cert (a PEM file, unencrypted).")
+                       help=KEY_HELP)
     group.add_argument("--tls_server_name", default=None,
                        help="The name the servers' certificates carry, when it is not the host "
                             "of their addresses (say, servers dialled by IP with a certificate "
@@ -124,8 +125,9 @@ def learner_config(flags):
 
 def _openssl(directory, *args):
     try:
+        # umask 077: a key is private from the moment openssl creates it, not after a chmod.
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True,
-                       text=True)
+                       text=True, umask=0o077)
     except FileNotFoundError:
         raise RuntimeError("the openssl command is not installed (Debian: apt-get install "
                            "openssl).") from None
@@ -138,7 +140,6 @@ def make_ca(directory, name="ca", days=365):
     to keep private: who has it can make certificates that the servers and learners trust)."""
     _openssl(directory, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", str(days),
              "-subj", f"/CN=polybeast {name}", "-keyout", f"{name}.key", "-out", f"{name}.pem")
-    os.chmod(os.path.join(directory, f"{name}.key"), 0o600)
 
 
 def make_cert(directory, name, ca="ca", hosts=(), days=365):
@@ -155,7 +156,6 @@ def make_cert(directory, name, ca="ca", hosts=(), days=365):
     _openssl(directory, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem",
              "-CAkey", f"{ca}.key", "-CAcreateserial", "-days", str(days),
              "-out", f"{name}.pem", *extra)
-    os.chmod(os.path.join(directory, f"{name}.key"), 0o600)
     for leftover in (f"{name}.csr", f"{name}.ext", f"{ca}.srl"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, leftover))
