@@ -90,17 +90,26 @@ def pg_loss(flags, inputs):
     """
     returns = inputs.vtrace_returns
     advantages = returns.pg_advantages
-    eps = getattr(flags, "pg_clip", None) or 0.0  # None: flags made without env defaults
+    eps = _pg_clip(flags)
     if eps > 0:
         advantages = trust_region(advantages, returns.log_rhos, eps)
     return -(returns.target_action_log_probs * advantages).sum()
 
 
-def trust_region(advantages, log_rhos, eps):
-    """The advantages with 0 where the ratio pi/mu = exp(log_rhos) is already past 1 + eps
-    (advantage > 0) or below 1 - eps (advantage < 0). Args: float32 [T, B] each."""
+def _pg_clip(flags):
+    return getattr(flags, "pg_clip", None) or 0.0  # None: flags made without env defaults
+
+
+def outside_trust_region(advantages, log_rhos, eps):
+    """True where the ratio pi/mu = exp(log_rhos) is already past 1 + eps (advantage > 0)
+    or below 1 - eps (advantage < 0). Args: float32 [T, B] each. Returns bool [T, B]."""
     ratio = log_rhos.detach().exp()
-    outside = ((advantages > 0) & (ratio > 1 + eps)) | ((advantages < 0) & (ratio < 1 - eps))
+    return ((advantages > 0) & (ratio > 1 + eps)) | ((advantages < 0) & (ratio < 1 - eps))
+
+
+def trust_region(advantages, log_rhos, eps):
+    """The advantages with 0 where outside_trust_region. Args: float32 [T, B] each."""
+    outside = outside_trust_region(advantages, log_rhos, eps)
     return torch.where(outside, torch.zeros_like(advantages), advantages)
 
 
@@ -215,7 +224,9 @@ def compute_loss(flags, learner_outputs, batch):
 
     Returns:
       (total_loss scalar tensor, dict of detached scalar tensors for logging:
-      total_loss and one entry per term, keyed by the term's __name__).
+      total_loss and one entry per term, keyed by the term's __name__; with
+      flags.pg_clip > 0 also pg_clipped, the share of the T x B samples whose advantage
+      the trust region set to 0).
     """
     assert learner_outputs["baseline"].dim() == 2, "baseline must be [T+1, B]"
     policy_key = "policy_mean" if "policy_mean" in learner_outputs else "policy_logits"
@@ -235,6 +246,11 @@ def compute_loss(flags, learner_outputs, batch):
     total_loss = sum(losses.values())
     stats = {"total_loss": total_loss.detach()}
     stats.update((name, loss.detach()) for name, loss in losses.items())
+    if _pg_clip(flags) > 0:
+        # How often the trust region binds: the share of the batch's samples it stopped.
+        returns = inputs.vtrace_returns
+        stats["pg_clipped"] = outside_trust_region(
+            returns.pg_advantages, returns.log_rhos, _pg_clip(flags)).float().mean()
     return total_loss, stats
 
 

@@ -300,6 +300,9 @@ def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
     log_pi_a = log_probs_of_actions_np(logits[:-1], batch["action"][:-1])
     np.testing.assert_allclose(float(stats["pg_loss"]), -(log_pi_a * advantages * ~cut).sum(),
                                rtol=RTOL, atol=ATOL)
+    # pg_clipped logs how often the region binds: the share of samples cut.
+    assert float(stats["pg_clipped"]) == pytest.approx(cut.mean())
+    assert "pg_clipped" not in learner.compute_loss(make_flags(), outputs, batch)[1]
 
 
 def test_learn_step_logs_the_policy_entropy():
