@@ -712,22 +712,55 @@ HOW_TO_READ = (
     "than it plays.")
 
 
+def row_name(variant, label):
+    """A table row's and a curve's name: the variant, and the label of its savedir if any."""
+    return f"{variant}, {label}" if label else variant
+
+
+def parse_compare(items):
+    """--compare LABEL=SAVEDIR items -> [(label, absolute savedir)]; ValueError if malformed."""
+    groups = []
+    for item in items:
+        label, sep, savedir = item.partition("=")
+        if not sep or not label.strip() or not savedir.strip():
+            raise ValueError(f"--compare {item!r}: expected LABEL=SAVEDIR, e.g. "
+                             "'pg_clip 0.4=~/logs/clip04'")
+        groups.append((label.strip(), os.path.abspath(os.path.expanduser(savedir.strip()))))
+    return groups
+
+
+def report_groups(args, results):
+    """[(label, savedir, results)]: this launch's runs, then those of each --compare savedir,
+    read as the same grid (same envs, variants and seeds; nothing is launched there)."""
+    groups = [(args.label, args.savedir, results)]
+    for label, savedir in parse_compare(args.compare):
+        groups.append((label, savedir, [launch.load_result(r.spec, savedir) for r in results]))
+    return groups
+
+
 def report(args, argv, results, plot_dir, link_base):
     """The whole markdown report; writes one PNG per env into plot_dir."""
-    by_run = {(r.spec.env, r.spec.variant, r.spec.seed):
-              (r, read_curve(launch.run_dir(r.spec, args.savedir))) for r in results}
+    by_run, names = {}, []
+    for label, savedir, group in report_groups(args, results):
+        for variant in launch.split_list(args.variants):
+            if row_name(variant, label) not in names:
+                names.append(row_name(variant, label))
+        for r in group:
+            by_run[(r.spec.env, row_name(r.spec.variant, label), r.spec.seed)] = (
+                r, read_curve(launch.run_dir(r.spec, savedir)))
     os.makedirs(plot_dir, exist_ok=True)
     sections = []
     for env in launch.split_list(args.envs):
         plot_path = os.path.join(plot_dir, env.replace("/", "-") + ".png")
         link = os.path.relpath(plot_path, link_base) if link_base else plot_path
-        sections.append(env_section(env, launch.split_list(args.variants), by_run, plot_path,
-                                    link, args.points))
+        sections.append(env_section(env, names, by_run, plot_path, link, args.points))
     command = shlex.join(["python", "-m", "bench.learn", *argv])
+    where = "".join(f", and `{savedir}` ({label})"
+                    for label, savedir in parse_compare(args.compare))
     return "\n".join([
         "# Learning benchmark", "",
-        f"`{command}`, {time.strftime('%Y-%m-%d %H:%M')}, runs in `{args.savedir}`.", "",
-        HOW_TO_READ, "", *sections])
+        f"`{command}`, {time.strftime('%Y-%m-%d %H:%M')}, runs in `{args.savedir}`{where}.",
+        "", HOW_TO_READ, "", *sections])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -767,6 +800,14 @@ def make_parser():
     group.add_argument("--no_launch", action="store_true",
                        help="Launch nothing (no training, no test): report on the runs "
                             "already in the savedir.")
+    group.add_argument("--compare", action="append", default=[], metavar="LABEL=SAVEDIR",
+                       help="Also report the same grid's runs in SAVEDIR (envs, variants and "
+                            "seeds as here; nothing is launched or tested there), as rows and "
+                            "curves named 'VARIANT, LABEL' beside this savedir's: an ablation "
+                            "in one table and one figure. Repeatable.")
+    group.add_argument("--label", default="",
+                       help="With --compare: the label of this savedir's rows and curves "
+                            "(default: none, the variant alone).")
     group.add_argument("--test_episodes", type=int, default=0,
                        help="Once the runs are done, play this many greedy episodes with each "
                             "finished run's final checkpoint (`--mode test`, kept in its "
@@ -796,7 +837,14 @@ def run_suite(args, specs):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = launch.parse_args(make_parser(), argv)
+    parser = make_parser()
+    args = launch.parse_args(parser, argv)
+    try:  # before any run is launched: a typo must not wait for the report
+        missing = [d for _, d in parse_compare(args.compare) if not os.path.isdir(d)]
+    except ValueError as e:
+        parser.error(str(e))
+    if missing:
+        parser.error(f"--compare: no such savedir: {', '.join(missing)}")
     try:
         results = run_suite(args, suite_grid(args))
         if not args.no_launch:

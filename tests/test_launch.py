@@ -246,6 +246,36 @@ def test_read_curve_final_eval_superseded_rows_and_wall_time(tmp_path):
     assert learn.read_curve(str(tmp_path / "nothing")) is None
 
 
+def test_compare_reports_another_savedirs_runs_beside_these(tmp_path, capsys):
+    """--compare LABEL=SAVEDIR: the same grid read from a second savedir, in the same table
+    and figure as rows named 'VARIANT, LABEL'; nothing is launched there. A malformed item or
+    a savedir that is not there is refused before anything runs."""
+    finals = {"a": (10.0, 20.0), "b": (30.0, 50.0)}
+    for label, (f0, f1) in finals.items():
+        for seed, final in enumerate((f0, f1)):
+            write_logs(tmp_path / label / f"Null-v0-monobeast-s{seed}",
+                       [(1.0, 500, 1.0), (2.0, 1000, final)])
+    output = tmp_path / "report.md"
+    argv = ["--envs", "Null-v0", "--variants", "monobeast", "--seeds", "0,1",
+            "--total_steps", "1000", "--savedir", str(tmp_path / "a"), "--label", "first",
+            "--compare", f"second={tmp_path / 'b'}", "--no_launch", "--output", str(output)]
+    assert learn.main(argv) == 0
+    report = output.read_text()
+    rows = {cell(row, "variant"): row for row in table_rows(report, "Null-v0")}
+    assert list(rows) == ["monobeast, first", "monobeast, second"]
+    assert cell(rows["monobeast, first"], "final return (mean ± std)").startswith("15.00 ± ")
+    assert cell(rows["monobeast, second"], "final return (mean ± std)").startswith("40.00 ± ")
+    assert cell(rows["monobeast, second"], "seeds finished") == "2/2"
+    assert str(tmp_path / "b") in report.splitlines()[2]
+    assert (tmp_path / "plots" / "Null-v0.png").is_file()
+    assert not (tmp_path / "b" / "Null-v0-monobeast-s0" / "launch.json").exists()
+    for bad, says in ((["--compare", "nolabel"], "expected LABEL=SAVEDIR"),
+                      (["--compare", f"x={tmp_path / 'nowhere'}"], "no such savedir")):
+        with pytest.raises(SystemExit):
+            learn.main(argv[:-2] + bad)
+        assert says in capsys.readouterr().err
+
+
 def test_spread_over_seeds():
     s = learn.spread([1.0, 2.0, 3.0, math.nan])  # a seed without a finished episode
     assert (s.n, s.mean, s.std, s.lo, s.hi) == (3, 2.0, 1.0, 1.0, 3.0)  # sample std (n-1)
