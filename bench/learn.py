@@ -840,11 +840,16 @@ def main(argv=None):
     parser = make_parser()
     args = launch.parse_args(parser, argv)
     try:  # before any run is launched: a typo must not wait for the report
-        missing = [d for _, d in parse_compare(args.compare) if not os.path.isdir(d)]
+        compare = parse_compare(args.compare)
     except ValueError as e:
         parser.error(str(e))
+    missing = [d for _, d in compare if not os.path.isdir(d)]
     if missing:
         parser.error(f"--compare: no such savedir: {', '.join(missing)}")
+    labels = [args.label] + [label for label, _ in compare]
+    if compare and len(set(labels)) < len(labels):
+        parser.error(f"--label and --compare need a different label each (got {labels}): "
+                     "the rows and curves are named by them")
     try:
         results = run_suite(args, suite_grid(args))
         if not args.no_launch:

@@ -270,7 +270,8 @@ def test_compare_reports_another_savedirs_runs_beside_these(tmp_path, capsys):
     assert (tmp_path / "plots" / "Null-v0.png").is_file()
     assert not (tmp_path / "b" / "Null-v0-monobeast-s0" / "launch.json").exists()
     for bad, says in ((["--compare", "nolabel"], "expected LABEL=SAVEDIR"),
-                      (["--compare", f"x={tmp_path / 'nowhere'}"], "no such savedir")):
+                      (["--compare", f"x={tmp_path / 'nowhere'}"], "no such savedir"),
+                      (["--compare", f"first={tmp_path / 'b'}"], "a different label each")):
         with pytest.raises(SystemExit):
             learn.main(argv[:-2] + bad)
         assert says in capsys.readouterr().err
