@@ -246,11 +246,13 @@ def compute_loss(flags, learner_outputs, batch):
     total_loss = sum(losses.values())
     stats = {"total_loss": total_loss.detach()}
     stats.update((name, loss.detach()) for name, loss in losses.items())
-    if _pg_clip(flags) > 0:
-        # How often the trust region binds: the share of the batch's samples it stopped.
+    eps = _pg_clip(flags)
+    if eps > 0:
+        # How often the trust region binds: the share of the batch's samples it stopped
+        # (pg_loss found the same mask; recomputing it costs a few elementwise ops on T x B).
         returns = inputs.vtrace_returns
         stats["pg_clipped"] = outside_trust_region(
-            returns.pg_advantages, returns.log_rhos, _pg_clip(flags)).float().mean()
+            returns.pg_advantages, returns.log_rhos, eps).float().mean()
     return total_loss, stats
 
 
