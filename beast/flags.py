@@ -86,9 +86,9 @@ ENV_DEFAULTS = {
         # 106.0 +- 3.3, 42.4 +- 2.1, 58.9 +- 0.5, but SpaceInvaders 175.9 +- 40.3 (8 seeds)
         # against 208.9 +- 46.7. The region [0.6, 1.4] keeps the guard (no seed turned
         # deterministic) and gives SpaceInvaders back its pace: 217.0 +- 41.5 over the same 8
-        # seeds, 6 at or above the MinAtar paper's best (about 185) against 2; Breakout seed 0
-        # 218.9 against 177.2 (README, "Does it learn?"; Seaquest, Asterix and Freeway are
-        # yet to be run with 0.4).
+        # seeds, 6 at or above the MinAtar paper's best (about 185) against 2; Breakout
+        # 232.9 +- 12.3 against 185.0 +- 19.5 (3 seeds; README, "Does it learn?"). Seaquest,
+        # Asterix and Freeway are yet to be run with 0.4.
         pg_clip=0.4,
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
