@@ -149,6 +149,8 @@ class Curve:
     # (tests.jsonl), and that checkpoint's step; [] and nan without one.
     test_returns: list = dataclasses.field(default_factory=list)
     test_step: float = math.nan
+    # With --pg_clip: each row's share of the batch that the trust region cut (pg_clipped).
+    pg_clipped: list = dataclasses.field(default_factory=list)
 
     @property
     def test_return(self):
@@ -346,6 +348,7 @@ def read_curve(path):
                  test_returns=test["returns"] if test else [],
                  test_step=test["step"] if test else math.nan,
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
+                 pg_clipped=[r["pg_clipped"] for r in rows if _finite(r, "pg_clipped")],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
                                   start_times(path)),
@@ -511,7 +514,7 @@ TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds f
                 "failures", "collapses", "falls", "turned deterministic",
                 "steps to solved (median)", "steps reached",
                 "wall time per run", "SPS", "eval return", "test return (greedy)",
-                "published reference"]
+                "trust region cut (median)", "published reference"]
 
 
 def fmt_steps_to(curves, threshold):
@@ -550,7 +553,7 @@ def table_row(variant, results, curves, reference, threshold=None):
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
             fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
-            fmt_test(curves),
+            fmt_test(curves), fmt_pg_clipped(curves),
             (reference.value or "— (see below)") if reference else "—"]
 
 
@@ -563,6 +566,17 @@ def fmt_test(curves):
     episodes = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (fmt_spread(spread([c.test_return for c in tested]), RETURN_DIGITS)
             + f" ({len(tested)} seeds x {episodes} episodes)")
+
+
+def fmt_pg_clipped(curves):
+    """How often the trust region (--pg_clip) bound: each seed's median over its rows of the
+    share of the batch it cut, then the mean and min – max of those over seeds; "—" when no
+    run logged pg_clipped (no --pg_clip)."""
+    medians = [statistics.median(c.pg_clipped) for c in curves if c is not None and c.pg_clipped]
+    if not medians:
+        return "—"
+    return (f"{statistics.fmean(medians):.1%} "
+            f"({min(medians):.1%} – {max(medians):.1%}, {len(medians)} seeds)")
 
 
 def fmt_collapses(curves):
@@ -709,7 +723,9 @@ HOW_TO_READ = (
     "(with `--test_episodes`): each seed's mean return over greedy episodes (the argmax "
     "action) played with its final checkpoint, then mean ± std over seeds; the training "
     "return samples its actions, so a policy that keeps more entropy scores lower there "
-    "than it plays.")
+    "than it plays. Trust region cut (runs with `--pg_clip`): each seed's median, over its "
+    "logged rows, of `pg_clipped`, the share of the batch whose policy-gradient advantage the "
+    "trust region set to 0; the mean over seeds and min – max.")
 
 
 def row_name(variant, label):

@@ -461,6 +461,25 @@ def test_read_curve_takes_the_entropy_from_its_column_or_from_the_entropy_term(t
     assert learn.read_curve(str(old)).entropies == []
 
 
+def test_trust_region_cut_is_the_mean_over_seeds_of_each_seeds_median(tmp_path):
+    header = ("_time", "step", "mean_episode_return", "pg_clipped")
+    # The median of 0.01, 0.03 and 0.5 is 0.03: one odd row does not move it, as a mean would.
+    wide = write_logs(tmp_path / "wide", [(1.0, 10, 1.0, 0.01), (2.0, 20, 2.0, 0.5),
+                                          (3.0, 30, 3.0, 0.03)], header)
+    # Rows without the column (a start before it, an evaluation row) are passed over.
+    narrow = write_logs(tmp_path / "narrow", [(1.0, 10, 1.0, None), (2.0, 20, 2.0, 0.01)],
+                        header)
+    curves = [learn.read_curve(str(wide)), learn.read_curve(str(narrow))]
+    assert curves[0].pg_clipped == [0.01, 0.5, 0.03] and curves[1].pg_clipped == [0.01]
+    spec = launch.RunSpec("MinAtar/Breakout-v1", "polybeast", 0, total_steps=30)
+    results = [launch.RunResult(spec, "done", steps=30, target=30)] * 3
+    row = learn.table_row("polybeast", results, curves + [curve([1, 2])], None)
+    # Seeds without the column (no --pg_clip) are left out of the mean and the count.
+    assert cell(row, "trust region cut (median)") == "2.0% (1.0% – 3.0%, 2 seeds)"
+    assert cell(learn.table_row("polybeast", results[:1], [curve([1, 2])], None),
+                "trust region cut (median)") == "—"
+
+
 def test_two_rank_variant_starts_polybeast_under_torchrun():
     spec = launch.RunSpec("CartPole-v1", "polybeast-2ranks", 3, total_steps=1000)
     command = spec.command("/runs")
