@@ -617,6 +617,61 @@ def fmt_sps(value):
     return f"{value:,.0f}" if math.isfinite(value) else "n/a"
 
 
+def welch(a, b):
+    """(mean(a) - mean(b), Welch's t, its Welch-Satterthwaite degrees of freedom) over the
+    finite values of each; t and df are nan with fewer than 2 values on a side or no spread."""
+    a, b = spread(a), spread(b)
+    if not (a.n and b.n):
+        return math.nan, math.nan, math.nan
+    diff = a.mean - b.mean
+    if a.n < 2 or b.n < 2:
+        return diff, math.nan, math.nan
+    va, vb = a.std ** 2 / a.n, b.std ** 2 / b.n
+    if va + vb == 0:
+        return diff, math.nan, math.nan
+    df = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
+    return diff, diff / math.sqrt(va + vb), df
+
+
+def fmt_difference(name, values, base):
+    """One quantity of a row against the first row's: the difference of the means over seeds,
+    Welch's t (with its df), and, over the seeds both have, how many are higher seed for seed.
+    values and base map seed -> that seed's value (nan where it has none)."""
+    diff, t, df = welch(list(values.values()), list(base.values()))
+    if not math.isfinite(diff):
+        return None
+    text = f"{name} {diff:+,.{RETURN_DIGITS}f}"
+    if math.isfinite(t):
+        text += f" (Welch t {t:.1f}, {df:.1f} df"
+    else:
+        text += " (no t: too few seeds or no spread"
+    paired = [seed for seed in values if seed in base
+              and math.isfinite(values[seed]) and math.isfinite(base[seed])]
+    if paired:
+        higher = sum(values[seed] > base[seed] for seed in paired)
+        text += f"; higher in {higher} of {len(paired)} seeds, seed for seed"
+    return text + ")"
+
+
+def difference_lines(names, curves_by_seed):
+    """Each row after the first against the first: final return and, where both have one,
+    greedy test return. curves_by_seed: row name -> {seed: Curve or None}."""
+    if len(names) < 2:
+        return []
+    def per_seed(name, value):
+        return {seed: (value(c) if c is not None else math.nan)
+                for seed, c in curves_by_seed[name].items()}
+    base = names[0]
+    lines = [f"Against `{base}` (the first row):"]
+    for name in names[1:]:
+        parts = [fmt_difference(label, per_seed(name, value), per_seed(base, value))
+                 for label, value in (("final return", lambda c: c.final_return),
+                                      ("greedy test return", lambda c: c.test_return))]
+        parts = [p for p in parts if p]
+        lines.append(f"- `{name}`: " + ("; ".join(parts) if parts else "no return to compare"))
+    return lines + [""]
+
+
 def markdown_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -669,23 +724,26 @@ def env_section(env, variants, by_run, plot_path, link, points=200):
     """The markdown of one env: its table, its figure, its failures and its reference."""
     reference = SUITE[env].reference if env in SUITE else None
     threshold = solved_threshold(env)
-    rows, curves_by_variant, failures = [], {}, []
+    rows, curves_by_variant, curves_by_seed, failures = [], {}, {}, []
     for variant in variants:
-        runs = [by_run[key] for key in by_run if key[:2] == (env, variant)]
+        keys = [key for key in by_run if key[:2] == (env, variant)]
+        runs = [by_run[key] for key in keys]
         results = [result for result, _ in runs]
         curves_by_variant[variant] = [curve for _, curve in runs]
+        curves_by_seed[variant] = {key[2]: curve for key, (_, curve) in zip(keys, runs)}
         rows.append(table_row(variant, results, curves_by_variant[variant], reference,
                               threshold))
         failures += [r for r in results if r.status in ("failed", "stopped", "not run")]
     plot_env(env, curves_by_variant, plot_path, points)
     lines = [f"## {env}", "", markdown_table(TABLE_HEADER, rows), "",
              f"![{env}: mean return against steps]({link})", ""]
+    lines += difference_lines(variants, curves_by_seed)
     if failures:
         lines.append("Not finished (stderr.txt and launch.json in each run folder say more):")
     for r in failures:
         lines.append(f"- `{r.spec.xpid}`: {r.status}" + (f": {r.short_error}" if r.error else ""))
     if reference or threshold is not None:
-        lines += ["", "Reference:"]
+        lines += ["", "Reference:"] if lines[-1] else ["Reference:"]
     if reference:
         lines.append(f"- {reference.source}. {reference.note}")
     if threshold is not None:
@@ -725,7 +783,11 @@ HOW_TO_READ = (
     "return samples its actions, so a policy that keeps more entropy scores lower there "
     "than it plays. Trust region cut (runs with `--pg_clip`): each seed's median, over its "
     "logged rows, of `pg_clipped`, the share of the batch whose policy-gradient advantage the "
-    "trust region set to 0; the mean over seeds and min – max.")
+    "trust region set to 0; the mean over seeds and min – max. Against the first row (with "
+    "more than one row): each other row's difference in mean final (and greedy test) return, "
+    "Welch's t of it with its degrees of freedom (unequal variances; with 3 seeds a side, |t| "
+    "above about 2.8 is the two-sided 5% level at 4 df, and 3 seeds tell apart only large "
+    "effects), and in how many of the seeds both rows ran the row is higher seed for seed.")
 
 
 def row_name(variant, label):

@@ -480,6 +480,34 @@ def test_trust_region_cut_is_the_mean_over_seeds_of_each_seeds_median(tmp_path):
                 "trust region cut (median)") == "—"
 
 
+def test_welch_matches_scipys_unequal_variance_t_test():
+    stats = pytest.importorskip("scipy.stats")
+    for a, b in (([1, 2, 3.5], [0.5, 0.7, 3]), ([217, 183, 172, 283, 250, 199, 230, 201],
+                                               [125, 250, 170, 160, 190, 180, 150, 182])):
+        diff, t, df = learn.welch(a, b)
+        reference = stats.ttest_ind(a, b, equal_var=False)
+        assert diff == pytest.approx(np.mean(a) - np.mean(b))
+        assert t == pytest.approx(reference.statistic) and df == pytest.approx(reference.df)
+    # nan (a seed without a return) is left out; one value or no spread gives no t.
+    assert learn.welch([1, 2, math.nan], [0.5, 0.7, 3])[1] == pytest.approx(
+        stats.ttest_ind([1, 2], [0.5, 0.7, 3], equal_var=False).statistic)
+    assert math.isnan(learn.welch([1], [2, 3])[1]) and math.isnan(learn.welch([1, 1], [2, 2])[1])
+
+
+def test_report_gives_each_row_against_the_first_seed_for_seed():
+    first = {0: curve([1, 10]), 1: curve([1, 20]), 2: curve([1, 30])}
+    # Seed 2 is higher, seeds 0 and 1 lower; seed 3 has no partner in the first row.
+    second = {0: curve([1, 8]), 1: curve([1, 14]), 2: curve([1, 35]), 3: curve([1, 5])}
+    second[0].test_returns = [1.0]  # only one side tested: no test-return line
+    lines = learn.difference_lines(["a", "b, other"], {"a": first, "b, other": second})
+    t = learn.welch([8, 14, 35, 5], [10, 20, 30])[1]
+    assert lines[0] == "Against `a` (the first row):"
+    assert lines[1] == (f"- `b, other`: final return -4.50 (Welch t {t:.1f}, "
+                        f"{learn.welch([8, 14, 35, 5], [10, 20, 30])[2]:.1f} df; "
+                        "higher in 1 of 3 seeds, seed for seed)")
+    assert learn.difference_lines(["a"], {"a": first}) == []
+
+
 def test_two_rank_variant_starts_polybeast_under_torchrun():
     spec = launch.RunSpec("CartPole-v1", "polybeast-2ranks", 3, total_steps=1000)
     command = spec.command("/runs")
