@@ -54,6 +54,10 @@ def workloads():
           ["--deterministic"]),
         W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
+        # The learner handing freed memory back to the kernel, as it did before 2026-11-26
+        # (README, "Memory a step frees").
+        W("mono-pong-malloc-release", "monobeast", "ALE/Pong-v5",
+          "repo defaults, --malloc_release", ["--malloc_release"]),
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
           ["--env_backend", "envpool"]),
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
@@ -64,6 +68,8 @@ def workloads():
           ["--local_transport", "grpc"]),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
+        W("poly-pong-malloc-release", "polybeast", "ALE/Pong-v5",
+          "repo defaults, --malloc_release", ["--malloc_release"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
@@ -76,6 +82,10 @@ def workloads():
         W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("mono-minatar-malloc-release", "monobeast", "MinAtar/Breakout-v1",
+          "repo defaults (ResNet), --malloc_release", ["--malloc_release"]),
+        W("poly-minatar-malloc-release", "polybeast", "MinAtar/Breakout-v1",
+          "repo defaults (ResNet), --malloc_release", ["--malloc_release"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does: the overhead per step
