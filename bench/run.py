@@ -55,7 +55,7 @@ def workloads():
         W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
         # The learner handing freed memory back to the kernel, as it did before 2026-11-26
-        # (README, "Memory a step frees").
+        # (README, "Memory a learner step frees").
         W("mono-pong-malloc-release", "monobeast", "ALE/Pong-v5",
           "repo defaults, --malloc_release", ["--malloc_release"]),
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
