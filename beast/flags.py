@@ -311,11 +311,12 @@ def _add_learner_flags(group):
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")
     group.add_argument("--malloc_release", action="store_true",
-                       help="Let glibc hand the memory that each learner step frees back to "
-                            "the kernel, as it does by default. Without it the learner "
-                            "process keeps that memory for the next step: on Atari a step "
-                            "would otherwise fault a few hundred MB in anew (a fifth to a "
-                            "quarter of a Pong learner step's CPU on 2 cores).")
+                       help="On Atari, let glibc hand the memory that each learner step "
+                            "frees back to the kernel, as it does by default (and as it "
+                            "always does on other tasks). Without it the learner process "
+                            "keeps that memory for the next step: a step would otherwise "
+                            "fault a few hundred MB in anew (a fifth to a quarter of a Pong "
+                            "learner step's CPU on 2 cores).")
     group.add_argument("--num_torch_threads", type=int, default=None,
                        help="Intra-op threads of the learner process (default: all "
                             "cores; PolyBeast with local servers: all cores on Atari, else "

@@ -384,7 +384,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 
 def reuse_freed_memory():
     """Makes glibc keep the memory a process frees for its next allocations, instead of
-    handing it back to the kernel. Call it first thing, before the process starts threads.
+    handing it back to the kernel. Call it before the threads that allocate start.
 
     A learner step allocates and frees the activations and gradients of T x B frames, a few
     hundred MB on Atari. glibc serves blocks that large with mmap and returns them with
@@ -392,8 +392,8 @@ def reuse_freed_memory():
     quarter of a Pong learner step's CPU went to the kernel's page faults. One arena for all threads (a thread's own
     arena cannot grow past 64 MB, so its large blocks are always mmapped), blocks up to
     1 GiB from that heap, and no trimming of its top: the process stays at its peak size and
-    reuses it (--malloc_release turns this off). Linux with glibc only; elsewhere, or if
-    mallopt refuses, nothing changes."""
+    reuses it. Only on Atari (keeps_freed_memory; --malloc_release turns it off there too).
+    Linux with glibc only; elsewhere, or if mallopt refuses, nothing changes."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS has no mallopt)
@@ -632,7 +632,17 @@ def _train(flags, variant, ranks):
         run_dir.unlock()  # the directory is free for a resume once this run has ended
 
 
+def keeps_freed_memory(flags, info):
+    """Whether the learner process keeps what it frees (reuse_freed_memory): on Atari, where
+    a step frees a few hundred MB (Pong: 8-13% more SPS on 2 cores). Elsewhere the blocks are
+    small and one arena for all threads costs more than it saves (MinAtar Freeway's
+    PolyBeast: about 9% fewer SPS), so glibc keeps its default there."""
+    return info["kind"] == "atari" and not flags.malloc_release
+
+
 def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
+    if keeps_freed_memory(flags, info):  # before the learner's threads start: they pick
+        reuse_freed_memory()             # their arena at their first allocation
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)
@@ -835,8 +845,6 @@ def parse_flags(parser, argv=None, always_given=()):
 def main(variant, argv=None):
     """Runs train or test; a UserError ends with its message and exit code 2."""
     flags = parse_flags(variant.make_parser(), argv, variant.per_start_flags)
-    if not flags.malloc_release:  # before any thread starts: threads pick their arena once
-        reuse_freed_memory()
     try:
         if flags.mode == "train":
             train(flags, variant)

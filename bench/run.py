@@ -82,10 +82,6 @@ def workloads():
         W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
-        W("mono-minatar-malloc-release", "monobeast", "MinAtar/Breakout-v1",
-          "repo defaults (ResNet), --malloc_release", ["--malloc_release"]),
-        W("poly-minatar-malloc-release", "polybeast", "MinAtar/Breakout-v1",
-          "repo defaults (ResNet), --malloc_release", ["--malloc_release"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does: the overhead per step

@@ -258,13 +258,10 @@ def test_freed_memory_is_reused_not_faulted_in_again():
     assert faults["reuse"] < 2_000, faults
 
 
-def test_main_keeps_freed_memory_unless_malloc_release(monkeypatch):
-    calls = []
-    monkeypatch.setattr(training, "reuse_freed_memory", lambda: calls.append("reuse"))
-    monkeypatch.setattr(training, "train", lambda flags, variant: calls.append("train"))
-    import monobeast
-    assert training.main(monobeast.VARIANT, ["--env", "CartPole-v1"]) == 0
-    assert calls == ["reuse", "train"]
-    calls.clear()
-    assert training.main(monobeast.VARIANT, ["--env", "CartPole-v1", "--malloc_release"]) == 0
-    assert calls == ["train"]
+def test_only_atari_learners_keep_freed_memory_and_not_with_malloc_release():
+    flags = argparse.Namespace(malloc_release=False)
+    assert training.keeps_freed_memory(flags, {"kind": "atari"})
+    for kind in ("image", "vector", "continuous"):  # small blocks: one arena costs more
+        assert not training.keeps_freed_memory(flags, {"kind": kind})
+    flags.malloc_release = True
+    assert not training.keeps_freed_memory(flags, {"kind": "atari"})
