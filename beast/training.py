@@ -392,8 +392,9 @@ def reuse_freed_memory():
     quarter of a Pong learner step's CPU went to the kernel's page faults. One arena for
     all threads (a thread's own arena cannot grow past 64 MB, so its large blocks are
     always mmapped), blocks up to 1 GiB from that heap, and no trimming of its top: the
-    process stays at its peak size and reuses it. Only on Atari (keeps_freed_memory; --malloc_release turns it off there too).
-    Linux with glibc only; elsewhere, or if mallopt refuses, nothing changes."""
+    process stays at its peak size and reuses it. Only on Atari (keeps_freed_memory;
+    --malloc_release turns it off there too). Linux with glibc only; elsewhere, or if
+    mallopt refuses, nothing changes."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS has no mallopt)
