@@ -3,6 +3,7 @@
 import argparse
 import os
 import pathlib
+import platform
 import signal
 import subprocess
 import sys
@@ -245,17 +246,17 @@ print(sum(faults[3:]))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_freed_memory_is_reused_not_faulted_in_again():
     """Without reuse_freed_memory every step faults its 192 MB in anew (about 49,000 pages of
-    4 KiB); with it, once the heap has settled, each step reuses the memory the last freed."""
+    4 KiB, fewer where transparent huge pages back them); with it, once the heap has
+    settled, each step reuses the memory the last freed."""
     faults = {}
     for mode in ("default", "reuse"):
         out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout
         faults[mode] = int(out.split()[-1])
-    assert faults["default"] > 5 * 40_000, faults
-    assert faults["reuse"] < 2_000, faults
+    assert faults["reuse"] * 20 < faults["default"], faults
 
 
 def test_only_atari_learners_keep_freed_memory_and_not_with_malloc_release():
