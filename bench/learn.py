@@ -724,17 +724,16 @@ def env_section(env, variants, by_run, plot_path, link, points=200):
     """The markdown of one env: its table, its figure, its failures and its reference."""
     reference = SUITE[env].reference if env in SUITE else None
     threshold = solved_threshold(env)
-    rows, curves_by_variant, curves_by_seed, failures = [], {}, {}, []
+    rows, curves_by_seed, failures = [], {}, []
     for variant in variants:
-        keys = [key for key in by_run if key[:2] == (env, variant)]
-        runs = [by_run[key] for key in keys]
-        results = [result for result, _ in runs]
-        curves_by_variant[variant] = [curve for _, curve in runs]
-        curves_by_seed[variant] = {key[2]: curve for key, (_, curve) in zip(keys, runs)}
-        rows.append(table_row(variant, results, curves_by_variant[variant], reference,
-                              threshold))
+        runs = {key[2]: by_run[key] for key in by_run if key[:2] == (env, variant)}  # by seed
+        results = [result for result, _ in runs.values()]
+        curves_by_seed[variant] = {seed: curve for seed, (_, curve) in runs.items()}
+        rows.append(table_row(variant, results, list(curves_by_seed[variant].values()),
+                              reference, threshold))
         failures += [r for r in results if r.status in ("failed", "stopped", "not run")]
-    plot_env(env, curves_by_variant, plot_path, points)
+    plot_env(env, {variant: list(curves.values()) for variant, curves in curves_by_seed.items()},
+             plot_path, points)
     lines = [f"## {env}", "", markdown_table(TABLE_HEADER, rows), "",
              f"![{env}: mean return against steps]({link})", ""]
     lines += difference_lines(variants, curves_by_seed)
