@@ -334,6 +334,31 @@ class TrainingStats:
         self.env_errors = None  # the actors' environment restarts, when the variant counts them
         self.start_step, self.start_time = start_step, time.time()
         self.next_log_step = start_step + flags.log_interval_steps
+        # learner_wait: the learner threads' seconds spent waiting for a batch since the last
+        # row, against their seconds in all (threads x wall time since then).
+        self.learner_threads, self.wait_s, self.window_start = 0, 0.0, None
+
+    def learner_started(self):
+        """A learner thread that pulls batches from the actors starts (learner_wait)."""
+        with self.lock:
+            self.learner_threads += 1
+            if self.window_start is None:
+                self.window_start = time.monotonic()
+
+    def waited(self, seconds):
+        """A learner thread waited `seconds` for its next batch."""
+        with self.lock:
+            self.wait_s += seconds
+
+    def _learner_wait(self):
+        """The share of the learner threads' time since the last row spent waiting for
+        batches; None when no thread pulls batches (serial and --deterministic runs)."""
+        if not self.learner_threads:
+            return None
+        now = time.monotonic()
+        share = self.wait_s / max(1e-9, self.learner_threads * (now - self.window_start))
+        self.wait_s, self.window_start = 0.0, now
+        return min(1.0, share)
 
     def record(self, step, stats, batch):
         """Adds one learner step's stats and finished games; writes a row when one is due."""
@@ -353,6 +378,9 @@ class TrainingStats:
                 if self.grad_norm_max is not None:
                     stats["grad_norm_max"] = self.grad_norm_max
                     self.grad_norm_max = None
+                learner_wait = self._learner_wait()
+                if learner_wait is not None:
+                    stats["learner_wait"] = learner_wait
                 self.logger.log(step, stats)
                 while self.next_log_step <= step:
                     self.next_log_step += self.flags.log_interval_steps
@@ -509,10 +537,15 @@ class Run:
         """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
         total_steps or the end of `batches`."""
         set_intra_op_threads(self.flags.num_torch_threads)
-        for batch, initial_agent_state in batches:
-            if self.done():
+        self.stats.learner_started()
+        batches = iter(batches)
+        while not self.done():
+            start = time.monotonic()
+            pair = next(batches, None)
+            if pair is None or self.done():
                 return
-            self.learn(batch, initial_agent_state)
+            self.stats.waited(time.monotonic() - start)
+            self.learn(*pair)
 
     def housekeeping(self, env_errors=None):
         """Called often by the main thread: the status line, periodic checkpoints and

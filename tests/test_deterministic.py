@@ -22,9 +22,10 @@ from beast import checkpoint as ckpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The only columns of logs.csv that read the clock: _time (when the row was written) and
-# sps (steps per second of wall time). Every other column must match to the last digit.
-WALL_CLOCK_COLUMNS = {"_time", "sps"}
+# The only columns of logs.csv that read the clock: _time (when the row was written), sps
+# (steps per second of wall time) and learner_wait (which a lockstep run does not write).
+# Every other column must match to the last digit.
+WALL_CLOCK_COLUMNS = {"_time", "sps", "learner_wait"}
 LOSS_COLUMNS = ("total_loss", "pg_loss", "baseline_loss", "entropy_loss")
 
 

@@ -397,6 +397,7 @@ def test_serial_mode(tmp_path):
                   "--unroll_length", 20, "--batch_size", 4, "--log_interval_steps", 80)
     rows = read_logs(tmp_path / "serial")
     assert int(rows[-1]["step"]) >= 3000
+    assert "learner_wait" not in rows[0]  # the learner pulls no batches: it steps the envs
     lags = [float(row["policy_lag"]) for row in rows]
     assert lags[0] == 0 and lags[1:] == pytest.approx([1 / 20] * (len(lags) - 1)), lags
 

@@ -214,6 +214,7 @@ def test_learns_cartpole(tmp_path):
     assert checkpoint_step(run_dir) >= rows[-1]["step"]
     # The inference threads say which weights acted: never newer than the learner's.
     assert all(0 <= row["policy_lag"] < 100 for row in rows), [r["policy_lag"] for r in rows]
+    assert all(0 <= row["learner_wait"] <= 1 for row in rows), [r["learner_wait"] for r in rows]
 
 
 @pytest.mark.timeout(600)

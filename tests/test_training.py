@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -53,6 +54,40 @@ def test_rows_carry_the_largest_gradient_norm_since_the_previous_row():
     assert [step for step, _ in logger.rows] == [100, 200, 300]
     assert [row["grad_norm"] for _, row in logger.rows] == [900.0, 7.0, 2.0]  # the last one
     assert [row["grad_norm_max"] for _, row in logger.rows] == [900.0, 7.0, 3.0]
+
+
+def test_rows_say_how_long_the_learner_waited_for_batches(monkeypatch):
+    """learner_wait: the share of the learner threads' time since the previous row spent
+    waiting for a batch (the actors are the bottleneck when it is high, the learner when it
+    is near 0). Waiting counts, learning does not; a run whose learner pulls no batches
+    (serial mode) has no such column."""
+    clock = [100.0]
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    flags = argparse.Namespace(log_interval_steps=100, total_steps=300, num_torch_threads=1)
+    logger = RowsLogger()
+    stats = training.TrainingStats(flags, logger, start_step=0)
+    no_games = {k: torch.zeros(3, 2, dtype=torch.bool if k == "game_over" else torch.float32)
+                for k in ("game_over", "episode_return", "episode_step")}
+    stats.record(100, {}, no_games)
+    assert "learner_wait" not in logger.rows[-1][1]  # no learner thread yet
+
+    def batches(waits):
+        for wait in waits:
+            clock[0] += wait  # the actors take this long to fill the batch
+            yield wait, None
+
+    def learn(wait, _):
+        clock[0] += 1.0  # a learner step
+        run.step += 50
+        stats.record(run.step, {}, no_games)
+
+    run = types.SimpleNamespace(flags=flags, stats=stats, learn=learn, step=100)
+    run.done = lambda: run.step >= flags.total_steps
+    training.Run.learner_thread(run, batches([3.0, 3.0, 0.0, 1.0, 5.0]))
+    assert run.step == 300  # stopped at total_steps, the last batch left untaken
+    assert [step for step, _ in logger.rows] == [100, 200, 300]
+    # 3 + 3 s of waiting in 8 s; then 0 + 1 in 3 s.
+    assert [row["learner_wait"] for _, row in logger.rows[1:]] == [0.75, pytest.approx(1 / 3)]
 
 
 # What Learner needs of the flags, for a small MLP on [4] observations.
