@@ -13,12 +13,15 @@ processes; the env servers' stepping runs in their env-stream threads, or in gRP
 grpcpp_sync_ser threads with --local_transport grpc), and threads
 of one name add up. The sum against the machine's cores is
 the idle share: a run that keeps 1.5 of 2 cores busy is waiting on something (a round
-trip, a queue, a lock) for a quarter of the machine, which no faster kernel fixes.
+trip, a queue, a lock) for a quarter of the machine, which no faster kernel fixes. Last, the
+mean learner_wait of the window's logs.csv rows: how much of its time the learner waited for
+the actors' batches.
 Linux only (/proc).
 """
 
 import argparse
 import collections
+import math
 import os
 import shutil
 import signal
@@ -91,17 +94,30 @@ def cpu_seconds(root):
     return times
 
 
-def last_row(logs):
-    """(step, _time) of the last logs.csv row, or None."""
+def read_rows(logs):
+    """The logs.csv rows so far ([] before the first)."""
     try:
-        rows = runlog.read_logs(logs)
+        return runlog.read_logs(logs)
     except OSError:
-        return None
+        return []
+
+
+def last_row(rows):
+    """(step, _time) of the last row, or None."""
     return (int(rows[-1]["step"]), rows[-1]["_time"]) if rows else None
 
 
+def learner_wait(rows, start, end):
+    """The mean learner_wait of the rows written in (start, end] (_time), or None: the share of
+    the learner's time it waited for the actors' batches."""
+    waits = [row["learner_wait"] for row in rows
+             if start < row["_time"] <= end and not math.isnan(row.get("learner_wait", math.nan))]
+    return sum(waits) / len(waits) if waits else None
+
+
 def measure(flags):
-    """Runs the learner and returns (sps, {(role, thread name): cores busy}, cores)."""
+    """Runs the learner and returns (sps, {(role, thread name): cores busy}, cores,
+    learner_wait over the window or None)."""
     savedir = tempfile.mkdtemp(prefix="cpushare-")
     workload = endtoend.Workload("run", flags.variant, flags.env, "", flags.run_flags)
     logs = os.path.join(savedir, workload.key, "logs.csv")
@@ -116,9 +132,10 @@ def measure(flags):
         if process.poll() is not None:
             with open(output_path, errors="replace") as output:
                 sys.exit(f"the run ended during the warm-up:\n{output.read()[-3000:]}")
-        before, row0, t0 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
+        before, row0, t0 = cpu_seconds(process.pid), last_row(read_rows(logs)), time.monotonic()
         time.sleep(flags.window_s)
-        after, row1, t1 = cpu_seconds(process.pid), last_row(logs), time.monotonic()
+        after, rows, t1 = cpu_seconds(process.pid), read_rows(logs), time.monotonic()
+        row1 = last_row(rows)
     finally:
         try:
             os.killpg(process.pid, signal.SIGTERM)
@@ -133,7 +150,7 @@ def measure(flags):
     busy = collections.defaultdict(float)
     for key, (role, name, seconds) in after.items():
         busy[(role, name)] += (seconds - before.get(key, (role, name, 0.0))[2]) / (t1 - t0)
-    return sps, busy, len(os.sched_getaffinity(0))
+    return sps, busy, len(os.sched_getaffinity(0)), learner_wait(rows, row0[1], row1[1])
 
 
 def main(argv=None):
@@ -141,7 +158,7 @@ def main(argv=None):
     ours, run_flags = split_argv(argv)  # everything after `--` goes to the learner
     flags = make_parser().parse_args(ours)
     flags.run_flags = run_flags
-    sps, busy, cores = measure(flags)
+    sps, busy, cores, wait = measure(flags)
     print(f"{flags.variant} {flags.env} {' '.join(flags.run_flags)}".rstrip())
     print(f"  SPS {sps:,.0f} over {flags.window_s:g} s; {cores} cores")
     print(f"  {'role':30s} {'thread':16s} {'cores busy':>10s} {'core-us/step':>13s}")
@@ -151,6 +168,9 @@ def main(argv=None):
     total = sum(busy.values())
     print(f"  {'all':30s} {'':16s} {total:10.2f} {total / sps * 1e6:13.2f}")
     print(f"  idle: {max(0.0, cores - total):.2f} of {cores} cores")
+    if wait is not None:
+        print(f"  learner waited for batches {wait:.1%} of its time (learner_wait; near 0 the "
+              "learner is what the run waits for)")
 
 
 if __name__ == "__main__":

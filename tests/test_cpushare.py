@@ -7,6 +7,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 from bench import cpushare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +60,17 @@ def test_command_reports_sps_roles_and_idle_share():
     # thread: MonoBeast's actor processes and its learner thread.
     assert "actor-0" in out and "actor-1" in out and "learner-0" in out
     assert "idle:" in out
+    assert "learner waited for batches" in out  # logs.csv's learner_wait over the window
     # The run's directory (logs, checkpoint) goes with it.
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "cpushare-*"))) == left_before
+
+
+def test_learner_wait_is_the_mean_of_the_window_rows():
+    rows = [dict(_time=1.0, learner_wait=0.9), dict(_time=2.0, learner_wait=0.1),
+            dict(_time=3.0, learner_wait=0.3), dict(_time=3.5, eval_mean_episode_return=1.0),
+            dict(_time=4.0, learner_wait=0.8)]
+    assert cpushare.learner_wait(rows, 1.0, 3.5) == pytest.approx(0.2)  # rows 2 and 3
+    assert cpushare.learner_wait(rows, 4.0, 5.0) is None
 
 
 def test_a_run_that_cannot_start_ends_with_its_own_message():
