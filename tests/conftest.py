@@ -8,6 +8,15 @@ import subprocess
 import pytest
 import torch
 
+# Some tests talk to our servers through grpcio, Python's gRPC (an independent client and
+# TorchBeast's reference server), and later tests fork in the same process: MonoBeast's actor
+# processes, ffmpeg under imageio. None of those children uses gRPC, but grpcio's core runs
+# its fork handlers in each of them unless this is off, and they then break file descriptors
+# under its pollers ("epoll_wait error: Bad file descriptor"): once a video test's ffmpeg
+# gave imageio no header, only that error on its stderr, and the test failed. grpcio reads
+# this when it first starts, so it is set here, before any test.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"
+
 
 @pytest.fixture
 def keep_process_state():

@@ -235,6 +235,38 @@ def test_environment_that_raises_is_replaced_and_the_stream_goes_on(rpcenv, addr
     assert "the emulator crashed" in capfd.readouterr().err
 
 
+def test_forks_beside_a_grpcio_stream_leave_grpc_alone(rpcenv, address, capfd):
+    """Later tests fork in this process (MonoBeast's actors, ffmpeg) after grpcio has run:
+    with gRPC's fork support on, every fork runs its handlers ("skipping fork() handlers",
+    and now and then pollers whose descriptors were closed under them). tests/conftest.py
+    turns it off; here a fork while a stream is busy must not touch gRPC."""
+    server = ServerThread(Factory(), address)
+    client = Client(rpcenv, address)
+    busy = threading.Event()
+    stop = threading.Event()
+
+    def step_until_stopped():
+        client.first()
+        while not stop.is_set():
+            client.step(1)
+            busy.set()
+
+    stepper = threading.Thread(target=step_until_stopped, daemon=True)
+    stepper.start()
+    try:
+        assert busy.wait(JOIN_TIMEOUT_S)
+        capfd.readouterr()
+        for _ in range(20):  # preexec_fn makes subprocess fork() rather than vfork()
+            subprocess.run(["true"], preexec_fn=os.setpgrp, timeout=JOIN_TIMEOUT_S, check=True)
+    finally:
+        stop.set()
+        stepper.join(JOIN_TIMEOUT_S)
+        client.close()
+        server.stop()
+    err = capfd.readouterr().err
+    assert "fork" not in err and "Bad file descriptor" not in err, err
+
+
 def free_port():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
