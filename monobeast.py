@@ -23,6 +23,7 @@ import queue
 import signal
 import sys
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -647,11 +648,19 @@ class Acting:
                 self.free_queue.put(None)
         for _ in self.threads:
             for _ in range(flags.batch_size):
-                self.full_queue.put(None)
+                put_unlocked(self.full_queue, None)
         for thread in self.threads:
             thread.join(timeout=60)
         join_actors(self.actors)
         return self.env_errors()
+
+
+def put_unlocked(simple_queue, item):
+    """SimpleQueue.put without the queue's write lock, which an actor killed in the middle of
+    a put keeps for ever (waiting on it hung a restart). Safe without it: a message this small
+    goes into the pipe in one write, which POSIX makes atomic below PIPE_BUF bytes, so it
+    cannot interleave with another; a killed writer leaves a whole message or none."""
+    simple_queue._writer.send_bytes(ForkingPickler.dumps(item))
 
 
 def train_serial(run, model, buffers, state_buffers):

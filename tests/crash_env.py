@@ -1,15 +1,18 @@
 """Environments whose process dies, or hangs, the way a crash in C code, the OOM killer or a
 deadlock in an environment would, for the tests of actor and server restarts.
 
-Used as `--env tests.crash_env:CrashingCartPole-v0` or `HangingCartPole-v0` (importing this
-module registers the ids). Both are CartPole-v1, except that while the file named by
-$BEAST_CRASH_MARKER exists, a step kills its own process with SIGKILL (no exception, no
-clean-up, no traceback), or sleeps for an hour. With $BEAST_CRASH_ONCE set, only the first
-step to find the marker does so: it takes the marker away.
+Used as `--env tests.crash_env:CrashingCartPole-v0`, `HangingCartPole-v0` or
+`LockHoldingCartPole-v0` (importing this module registers the ids). All are CartPole-v1,
+except that while the file named by $BEAST_CRASH_MARKER exists, a step kills its own process
+with SIGKILL (no exception, no clean-up, no traceback), or sleeps for an hour, or (MonoBeast's
+actors only) takes the write lock of the queue of filled rollouts and then kills its process,
+as an actor killed in the middle of handing a rollout on would. With $BEAST_CRASH_ONCE set,
+only the first step to find the marker does so: it takes the marker away.
 """
 
 import os
 import signal
+import sys
 import time
 
 import gymnasium as gym
@@ -46,8 +49,18 @@ class HangingCartPole(CrashingCartPole):
         time.sleep(3600)
 
 
+class LockHoldingCartPole(CrashingCartPole):
+    def fail(self):
+        frame = sys._getframe()
+        while "full_queue" not in frame.f_locals:  # up to monobeast.act, which steps us
+            frame = frame.f_back
+        frame.f_locals["full_queue"]._wlock.acquire()
+        super().fail()
+
+
 # CartPole-v1's own TimeLimit is inside.
 for _id, _entry in (("CrashingCartPole-v0", CrashingCartPole),
-                    ("HangingCartPole-v0", HangingCartPole)):
+                    ("HangingCartPole-v0", HangingCartPole),
+                    ("LockHoldingCartPole-v0", LockHoldingCartPole)):
     if _id not in gym.registry:
         gym.register(_id, entry_point=_entry)

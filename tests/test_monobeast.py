@@ -335,6 +335,30 @@ def test_a_killed_actor_is_started_again(tmp_path):
     assert "(restart 1)" in stderr and "Traceback" not in stderr
 
 
+def test_an_actor_killed_while_handing_on_a_rollout_is_started_again(tmp_path):
+    """An actor killed between taking the lock of the queue of filled rollouts and letting go
+    of it keeps that lock for ever: the restart must not need it."""
+    marker = tmp_path / "lock"
+    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
+    run_dir = tmp_path / "l"
+    with monobeast_running(tmp_path, "--xpid", "l", "--env",
+                           "tests.crash_env:LockHoldingCartPole-v0", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000, env=env) as proc:
+        wait_for_rows(proc, run_dir)
+        time.sleep(restarts.QUICK_EXIT_S + 1)
+        marker.touch()  # one step of one actor takes the lock and dies
+        deadline = time.time() + 60
+        while marker.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert not marker.exists()
+        steps_at_kill = int(read_logs(run_dir)[-1]["step"])
+        wait_for_rows(proc, run_dir, steps=steps_at_kill + 50_000)
+        stderr = stop_with_sigterm(proc)
+    assert proc.returncode == 0, stderr
+    assert "was killed by signal 9 (SIGKILL)" in stderr
+    assert "(restart 1)" in stderr and "Traceback" not in stderr
+
+
 def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
     """Actors that die within restarts.QUICK_EXIT_S of their first start never came up: one
     message.
