@@ -335,28 +335,37 @@ def test_a_killed_actor_is_started_again(tmp_path):
     assert "(restart 1)" in stderr and "Traceback" not in stderr
 
 
+def ride_out_one_fault(tmp_path, env_id, *flags):
+    """Trains on `env_id` (tests/crash_env.py), makes one step of one actor fail once, waits
+    until every actor has been started again and 50k more steps are logged, and stops the
+    run with SIGTERM; returns its stderr, once it is known to have exited cleanly."""
+    marker = tmp_path / "fault"
+    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
+    run_dir = tmp_path / "f"
+    with monobeast_running(tmp_path, "--xpid", "f", "--env", env_id, "--total_steps",
+                           100_000_000, "--log_interval_steps", 2000, *flags, env=env) as proc:
+        wait_for_rows(proc, run_dir)
+        time.sleep(restarts.QUICK_EXIT_S + 1)  # the actors serve longer than a failed start
+        first = actor_pids(proc.pid)
+        marker.touch()
+        deadline = time.time() + 60
+        while set(actor_pids(proc.pid)) & set(first) and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.1)
+        assert not marker.exists()
+        steps_at_restart = int(read_logs(run_dir)[-1]["step"])
+        wait_for_rows(proc, run_dir, steps=steps_at_restart + 50_000)
+        stderr = stop_with_sigterm(proc)
+    assert proc.returncode == 0, stderr
+    assert "(restart 1)" in stderr and "Traceback" not in stderr
+    return stderr
+
+
 def test_an_actor_killed_while_handing_on_a_rollout_is_started_again(tmp_path):
     """An actor killed between taking the lock of the queue of filled rollouts and letting go
     of it keeps that lock for ever: the restart must not need it."""
-    marker = tmp_path / "lock"
-    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
-    run_dir = tmp_path / "l"
-    with monobeast_running(tmp_path, "--xpid", "l", "--env",
-                           "tests.crash_env:LockHoldingCartPole-v0", "--total_steps", 100_000_000,
-                           "--log_interval_steps", 2000, env=env) as proc:
-        wait_for_rows(proc, run_dir)
-        time.sleep(restarts.QUICK_EXIT_S + 1)
-        marker.touch()  # one step of one actor takes the lock and dies
-        deadline = time.time() + 60
-        while marker.exists() and time.time() < deadline:
-            time.sleep(0.1)
-        assert not marker.exists()
-        steps_at_kill = int(read_logs(run_dir)[-1]["step"])
-        wait_for_rows(proc, run_dir, steps=steps_at_kill + 50_000)
-        stderr = stop_with_sigterm(proc)
-    assert proc.returncode == 0, stderr
+    stderr = ride_out_one_fault(tmp_path, "tests.crash_env:LockHoldingCartPole-v0")
     assert "was killed by signal 9 (SIGKILL)" in stderr
-    assert "(restart 1)" in stderr and "Traceback" not in stderr
 
 
 def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
@@ -390,27 +399,9 @@ def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
 def test_a_hung_actor_is_killed_and_started_again(tmp_path):
     """An environment that stops answering (here: one step sleeps for an hour) holds its
     actor; after --actor_timeout_s the actor is killed and the actors start again."""
-    marker = tmp_path / "hang"
-    env = dict(os.environ, BEAST_CRASH_MARKER=str(marker), BEAST_CRASH_ONCE="1")
-    run_dir = tmp_path / "h"
-    with monobeast_running(tmp_path, "--xpid", "h", "--env", "tests.crash_env:HangingCartPole-v0",
-                           "--total_steps", 100_000_000, "--log_interval_steps", 2000,
-                           "--actor_timeout_s", 2, env=env) as proc:
-        wait_for_rows(proc, run_dir)
-        time.sleep(restarts.QUICK_EXIT_S + 1)
-        first = actor_pids(proc.pid)
-        marker.touch()  # one step of one actor hangs
-        deadline = time.time() + 60
-        while set(actor_pids(proc.pid)) & set(first) and time.time() < deadline:
-            assert proc.poll() is None, proc.communicate()[1]
-            time.sleep(0.1)
-        assert not marker.exists()
-        steps_at_restart = int(read_logs(run_dir)[-1]["step"])
-        wait_for_rows(proc, run_dir, steps=steps_at_restart + 50_000)
-        stderr = stop_with_sigterm(proc)
-    assert proc.returncode == 0, stderr
+    stderr = ride_out_one_fault(tmp_path, "tests.crash_env:HangingCartPole-v0",
+                                "--actor_timeout_s", 2)
     assert "without finishing a step (--actor_timeout_s), and was killed" in stderr
-    assert "(restart 1)" in stderr and "Traceback" not in stderr
 
 
 def test_serial_mode(tmp_path):
