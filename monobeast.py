@@ -349,29 +349,51 @@ class Lockstep:
             # nobody waited would pile up and turn this wait into a busy loop.
             while doorbell.acquire(block=False):
                 pass
-            with self.lock:
+            if not self._lock(give_up, poll_s):
+                return False
+            try:
                 if ready():
                     return True
-                if self.closed.value:
-                    return False
-            if give_up is not None and give_up():
+            finally:
+                self.lock.release()
+            if self.closed.value or (give_up is not None and give_up()):
                 return False
             # A ring after the check above is counted by the semaphore, never lost.
             doorbell.acquire(timeout=poll_s)
 
-    def advance(self, counter, index, value):
-        """counter[index] = value (counter: taken, filled, or version with index None)."""
-        with self.lock:
+    def _lock(self, give_up=None, poll_s=0.1):
+        """Takes the lock; False instead once the schedule is closed or give_up() says so.
+        Never waits for it unboundedly: an actor killed while it held the lock (the OOM
+        killer) holds it for ever, and the learner must still notice the death and stop."""
+        while not self.lock.acquire(timeout=poll_s):
+            if self.closed.value or (give_up is not None and give_up()):
+                return False
+        return True
+
+    def advance(self, counter, index, value, give_up=None):
+        """counter[index] = value (counter: taken, filled, or version with index None).
+        False if it could not (see _lock)."""
+        if not self._lock(give_up):
+            return False
+        try:
             if index is None:
                 counter.value = value
             else:
                 counter[index] = value
+        finally:
+            self.lock.release()
+        self._ring()
+        return True
+
+    def _ring(self):
         for doorbell in self.doorbells:
             doorbell.release()
 
     def close(self):
-        """Ends the schedule: every waiting actor returns."""
-        self.advance(self.closed, None, 1)
+        """Ends the schedule: every waiting actor returns. Without the lock (a dead actor may
+        hold it): `closed` has this one writer, and goes from 0 to 1 once."""
+        self.closed.value = 1
+        self._ring()
 
 
 def lockstep_num_buffers(flags):
@@ -394,21 +416,26 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
     sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
                       seed=flags.seed * 100 + actor_index, name=f"actor {actor_index}")
     learner_pid = os.getppid()
+
+    def orphaned():  # the learner's process is gone (killed before it could close)
+        return os.getppid() != learner_pid
+
     try:
         for k in itertools.count():
             version = lockstep.weights_for_round(k)
-            # Stops waiting if the learner's process is gone (killed before it could close).
             if not lockstep.wait(actor_index, lambda: lockstep.version.value >= version,
-                                 give_up=lambda: os.getppid() != learner_pid):
+                                 give_up=orphaned):
                 return
             model.load_state_dict(shared_model.state_dict())
             model.weights_step.copy_(shared_model.weights_step)
-            lockstep.advance(lockstep.taken, actor_index, k + 1)
+            if not lockstep.advance(lockstep.taken, actor_index, k + 1, orphaned):
+                return
             indices = lockstep.round_buffers(actor_index, k)
             sampler.unroll(indices)
             for m in indices:
                 lockstep.restarts[m] = sampler.envs.restarts
-            lockstep.advance(lockstep.filled, actor_index, k + 1)
+            if not lockstep.advance(lockstep.filled, actor_index, k + 1, orphaned):
+                return
     finally:
         sampler.close()
 
@@ -473,18 +500,19 @@ def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
     update = 0
     while not run.done():
         if not lockstep.wait(flags.num_actors, lambda: lockstep.batch_ready(update), give_up):
-            if run.stop.is_set():
-                print("\nStopping on request; the run can be resumed with "
-                      f"--xpid {flags.xpid}.", file=sys.stderr)
-            return
+            break
         rollouts = lockstep.batch_rollouts(update)
         indices = [r % flags.num_buffers for r in rollouts]
         for r, m in zip(rollouts, indices):
             restarts[lockstep.actor_of(r)] = lockstep.restarts[m]
         run.learn(*to_device(*select_batch(buffers, state_buffers, indices), run.device))
         update += 1
-        lockstep.advance(lockstep.version, None, update)
+        if not lockstep.advance(lockstep.version, None, update, give_up):
+            break
         run.housekeeping(env_errors=sum(restarts))
+    if run.stop.is_set():
+        print(f"\nStopping on request; the run can be resumed with --xpid {flags.xpid}.",
+              file=sys.stderr)
 
 
 @contextlib.contextmanager

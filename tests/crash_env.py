@@ -5,8 +5,9 @@ Used as `--env tests.crash_env:CrashingCartPole-v0`, `HangingCartPole-v0` or
 `LockHoldingCartPole-v0` (importing this module registers the ids). All are CartPole-v1,
 except that while the file named by $BEAST_CRASH_MARKER exists, a step kills its own process
 with SIGKILL (no exception, no clean-up, no traceback), or sleeps for an hour, or (MonoBeast's
-actors only) takes the write lock of the queue of filled rollouts and then kills its process,
-as an actor killed in the middle of handing a rollout on would. With $BEAST_CRASH_ONCE set,
+actors only) takes the write lock of the queue of filled rollouts (with --deterministic: the
+schedule's lock) and then kills its process, as an actor killed in the middle of handing a
+rollout on would. With $BEAST_CRASH_ONCE set,
 only the first step to find the marker does so: it takes the marker away.
 """
 
@@ -51,10 +52,13 @@ class HangingCartPole(CrashingCartPole):
 
 class LockHoldingCartPole(CrashingCartPole):
     def fail(self):
-        frame = sys._getframe()
-        while "full_queue" not in frame.f_locals:  # up to monobeast.act, which steps us
+        frame = sys._getframe()  # up to the actor's loop, which steps us
+        while not {"full_queue", "lockstep"} & set(frame.f_locals):
             frame = frame.f_back
-        frame.f_locals["full_queue"]._wlock.acquire()
+        if "full_queue" in frame.f_locals:  # monobeast.act
+            frame.f_locals["full_queue"]._wlock.acquire()
+        else:  # monobeast.act_in_lockstep (--deterministic)
+            frame.f_locals["lockstep"].lock.acquire()
         super().fail()
 
 

@@ -143,14 +143,16 @@ def test_ctrl_c_stops_a_deterministic_run_cleanly(tmp_path):
     assert "--xpid s" in stderr
 
 
-def test_a_dead_actor_ends_a_deterministic_run_with_one_message(tmp_path):
-    """Restarted actors would act on another schedule: --deterministic is not restarted."""
+@pytest.mark.parametrize("env_id", ["CrashingCartPole-v0", "LockHoldingCartPole-v0"])
+def test_a_dead_actor_ends_a_deterministic_run_with_one_message(tmp_path, env_id):
+    """Restarted actors would act on another schedule: --deterministic is not restarted.
+    Also when the actor died holding the schedule's lock, which it then holds for ever."""
     marker = tmp_path / "crash"
     marker.touch()  # tests/crash_env.py: every step kills its actor process
     env = dict(os.environ, BEAST_CRASH_MARKER=str(marker))
     result = subprocess.run(
         [sys.executable, "-m", "monobeast", "--savedir", str(tmp_path), "--xpid", "d",
-         "--no_progress", "--deterministic", "--env", "tests.crash_env:CrashingCartPole-v0",
+         "--no_progress", "--deterministic", "--env", f"tests.crash_env:{env_id}",
          "--total_steps", "100000"], cwd=REPO, capture_output=True, text=True, env=env,
         timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
