@@ -510,6 +510,8 @@ def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
         if not lockstep.advance(lockstep.version, None, update, give_up):
             break
         run.housekeeping(env_errors=sum(restarts))
+    else:
+        return  # done
     if run.stop.is_set():
         print(f"\nStopping on request; the run can be resumed with --xpid {flags.xpid}.",
               file=sys.stderr)

@@ -7,8 +7,8 @@ except that while the file named by $BEAST_CRASH_MARKER exists, a step kills its
 with SIGKILL (no exception, no clean-up, no traceback), or sleeps for an hour, or (MonoBeast's
 actors only) takes the write lock of the queue of filled rollouts (with --deterministic: the
 schedule's lock) and then kills its process, as an actor killed in the middle of handing a
-rollout on would. With $BEAST_CRASH_ONCE set,
-only the first step to find the marker does so: it takes the marker away.
+rollout on would. With $BEAST_CRASH_ONCE set, only the first step to find the marker does so:
+it takes the marker away.
 """
 
 import os
