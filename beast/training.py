@@ -36,6 +36,7 @@ from beast import distributed
 from beast import envs
 from beast import flags as beast_flags
 from beast import learner
+from beast import machine
 from beast import models
 from beast import rollout
 from beast import runlog
@@ -687,8 +688,9 @@ def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
     stop = install_signal_handlers()
     with variant.environments(flags) as environments:
         if ranks.is_main:
-            runlog.write_metadata(run_dir, flags, dict(world_size=ranks.world_size,
-                                                       rank_hosts=list(ranks.hosts)))
+            runlog.write_metadata(run_dir, flags, dict(
+                world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
+                machine=machine.describe(select_device(flags))))
         with (runlog.StatsLogger(run_dir, flags=flags) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:
             model = build_model(flags, info).to(select_device(flags))

@@ -38,7 +38,7 @@ import time
 
 from bench import endtoend
 from bench import netns
-from bench import run as bench_run
+from beast import machine
 from beast import tls
 
 REPO = endtoend.REPO
@@ -187,11 +187,10 @@ def main(argv=None):
                  f"{flags.num_actors} servers x {flags.envs_per_stream}",
                  measure("local", options.env, [], options, workdir, interval))]
         rows += remote_rows(options, layout, interval, workdir)
-    with open("/proc/cpuinfo") as f:
-        cpu, bf16 = bench_run.cpu_description(f.read())
+    cpu, _ = machine.this_cpu()
     print(f"PolyBeast {options.env}, env servers reached {len(rows)} ways "
           f"(`python -m bench.hosts {' '.join(argv if argv is not None else sys.argv[1:])}`, "
-          f"{started}, {cpu}, {len(os.sched_getaffinity(0))} cores; learner intra-op threads "
+          f"{started}, {cpu}, {machine.cores()} cores; learner intra-op threads "
           f"{flags.num_torch_threads} in every row):\n")
     print("| servers | layout | SPS (median) | windows min - max |")
     print("|---|---|---|---|")

@@ -31,6 +31,7 @@ if REPO not in sys.path:  # `python -m bench` from another directory
 import torch  # noqa: E402
 
 from beast import flags as beast_flags  # noqa: E402
+from beast import machine  # noqa: E402
 
 from bench import ceilings  # noqa: E402
 from bench import endtoend  # noqa: E402
@@ -157,21 +158,6 @@ def fmt(x, digits=3):
     return f"{x:,.{decimals}f}"
 
 
-def cpu_description(cpuinfo):
-    """(model name, its bf16 support) from the text of /proc/cpuinfo. bf16 matmuls run on AMX
-    tiles (Intel Sapphire Rapids and later) or AVX-512 BF16 instructions, or are emulated."""
-    model, flags = "unknown", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "unknown":
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    found = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"))
-             if flag in flags]
-    return model, ", ".join(found) if found else "none (emulated)"
-
-
 def machine_header(args, cores):
     def version(package):
         try:
@@ -180,11 +166,8 @@ def machine_header(args, cores):
         except Exception:
             return "n/a"
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu, bf16 = cpu_description(f.read())
-    except OSError:
-        cpu, bf16 = platform.processor() or "unknown", "unknown (no /proc/cpuinfo)"
+    cpu, bf16 = machine.this_cpu()
+    gpu = machine.gpu_description("cuda") if torch.cuda.is_available() else None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip() or "n/a"
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
@@ -195,6 +178,7 @@ def machine_header(args, cores):
         f"- CPU: {cpu}; cores available to us (sched_getaffinity): {cores} "
         f"of {os.cpu_count()}",
         f"- bf16 in hardware: {bf16} (--precision bf16 gains much more with AMX)",
+        f"- GPU: {gpu or 'none (the learners run on the CPU)'}",
         f"- torch {torch.__version__} (intra-op threads by default: {torch.get_num_threads()}), "
         f"python {platform.python_version()}, numpy {version('numpy')}, gymnasium "
         f"{version('gymnasium')}, ale-py {version('ale-py')}",

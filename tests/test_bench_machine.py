@@ -2,6 +2,10 @@
 much --precision bf16 gains (about 1.7x with AMX, 1.16x with AVX-512 BF16 on this project's
 machines)."""
 
+import json
+
+from beast import machine
+from beast import runlog
 from bench import run
 
 CPUINFO = """processor\t: 0
@@ -17,12 +21,42 @@ flags\t\t: fpu sse2 avx2 {flags}
 def test_cpu_description_reads_the_model_and_bf16_flags():
     xeon = CPUINFO.format(model="Intel(R) Xeon(R) Platinum 8481C",
                           flags="avx512f avx512_bf16 amx_bf16 amx_tile")
-    assert run.cpu_description(xeon) == ("Intel(R) Xeon(R) Platinum 8481C", "AMX, AVX-512 BF16")
+    assert machine.cpu_description(xeon) == ("Intel(R) Xeon(R) Platinum 8481C", "AMX, AVX-512 BF16")
     epyc = CPUINFO.format(model="AMD EPYC 9B14", flags="avx512f avx512_bf16")
-    assert run.cpu_description(epyc) == ("AMD EPYC 9B14", "AVX-512 BF16")
+    assert machine.cpu_description(epyc) == ("AMD EPYC 9B14", "AVX-512 BF16")
     old = CPUINFO.format(model="Intel(R) Core(TM) i7-6700", flags="")
-    assert run.cpu_description(old) == ("Intel(R) Core(TM) i7-6700", "none (emulated)")
-    assert run.cpu_description("") == ("unknown", "none (emulated)")
+    assert machine.cpu_description(old) == ("Intel(R) Core(TM) i7-6700", "none (emulated)")
+    assert machine.cpu_description("") == ("unknown", "none (emulated)")
+
+
+def test_a_runs_metadata_names_its_machine(tmp_path, monkeypatch):
+    """meta.json says what the run ran on; a CPU run names no GPU and never asks CUDA."""
+    monkeypatch.setattr(machine, "this_cpu", lambda: ("AMD EPYC 9B14", "AVX-512 BF16"))
+    asked = []
+    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda d: asked.append(d))
+    run_dir = runlog.RunDir(str(tmp_path), "run")
+    runlog.write_metadata(run_dir, {"env": "CartPole-v1"},
+                          dict(machine=machine.describe("cpu")))
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["machine"] == {"cpu": "AMD EPYC 9B14", "cpu_bf16": "AVX-512 BF16",
+                               "cores": machine.cores(), "gpu": None}
+    assert asked == [] and machine.cores() >= 1
+
+
+def test_a_cuda_learner_is_described_by_its_gpu(monkeypatch):
+    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(machine.torch.version, "cuda", "13.0")
+    assert machine.gpu_description("cuda") == "NVIDIA H100 80GB HBM3 (CUDA 13.0)"
+    assert machine.describe("cuda")["gpu"] == "NVIDIA H100 80GB HBM3 (CUDA 13.0)"
+
+
+def test_the_bench_header_names_the_cpu_and_the_gpu(monkeypatch):
+    monkeypatch.setattr(machine, "this_cpu", lambda: ("AMD EPYC 9B14", "AVX-512 BF16"))
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: False)
+    args = run.make_parser().parse_args(["--quick", "--duration", "15"])
+    header = "\n".join(run.machine_header(args, 2))
+    assert "AMD EPYC 9B14" in header and "AVX-512 BF16" in header
+    assert "GPU: none" in header
 
 
 def test_env_ceiling_steps_a_vector_env_and_counts_every_environment(monkeypatch):

@@ -7,6 +7,7 @@ user would.
 import argparse
 import contextlib
 import csv
+import json
 import math
 import os
 import pathlib
@@ -143,6 +144,10 @@ def test_pong_smoke_logs_episode_returns(tmp_path):
     assert os.path.exists(tmp_path / "pong" / "model.tar")
     for name in ("flags.json", "meta.json"):
         assert os.path.exists(tmp_path / "pong" / name)
+    # What it ran on, beside its figures: the learner's GPU where it had one.
+    machine = json.loads((tmp_path / "pong" / "meta.json").read_text())["machine"]
+    assert machine["cpu"] and machine["cores"] >= 1
+    assert (machine["gpu"] is None) == (not torch.cuda.is_available())
 
 
 def test_resume_continues_counters_and_schedule(tmp_path):
