@@ -686,14 +686,15 @@ def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
     # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run through the
     # finally blocks, which also stop whatever the variant started.
     stop = install_signal_handlers()
+    device = select_device(flags)
     with variant.environments(flags) as environments:
         if ranks.is_main:
             runlog.write_metadata(run_dir, flags, dict(
                 world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
-                machine=machine.describe(select_device(flags))))
+                machine=machine.describe(device)))
         with (runlog.StatsLogger(run_dir, flags=flags) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:
-            model = build_model(flags, info).to(select_device(flags))
+            model = build_model(flags, info).to(device)
             acting_model = variant.acting_model(flags, info, model)
             run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
             if ranks.is_distributed:  # the same weights everywhere, each rank its own actions
