@@ -686,8 +686,8 @@ def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
     # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run through the
     # finally blocks, which also stop whatever the variant started.
     stop = install_signal_handlers()
-    device = select_device(flags)
     with variant.environments(flags) as environments:
+        device = select_device(flags)  # after the servers' start: they boot meanwhile
         if ranks.is_main:
             runlog.write_metadata(run_dir, flags, dict(
                 world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
