@@ -15,6 +15,8 @@ import argparse
 import importlib.util
 import os
 
+from beast import machine
+
 # The kinds of environment that choose defaults, as beast.envs.env_info reports them in
 # info["kind"], and how help strings name them.
 KIND_LABELS = {
@@ -519,7 +521,7 @@ class FlagError(ValueError):
 
 
 def default_num_torch_threads():
-    return max(1, len(os.sched_getaffinity(0)))
+    return max(1, machine.cores())
 
 
 def explicit_flags(parser, argv):

@@ -8,8 +8,6 @@ it: meta.json records describe(), and bench's reports print it.
 import os
 import platform
 
-import torch
-
 
 def cpu_description(cpuinfo):
     """(model name, its bf16 support) from the text of /proc/cpuinfo. bf16 matmuls run on AMX
@@ -47,7 +45,10 @@ def cores():
 
 def gpu_description(device):
     """The GPU's name and CUDA version for a CUDA device; None for any other. Asks only
-    when the run uses the GPU, so a CPU run never starts CUDA."""
+    when the run uses the GPU, so a CPU run never starts CUDA. (torch is imported here, so
+    that beast.flags can ask for the cores without it.)"""
+    import torch
+
     device = torch.device(device)
     if device.type != "cuda":
         return None

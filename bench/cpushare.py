@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from beast import machine
 from beast import runlog
 
 from bench import endtoend
@@ -150,7 +151,7 @@ def measure(flags):
     busy = collections.defaultdict(float)
     for key, (role, name, seconds) in after.items():
         busy[(role, name)] += (seconds - before.get(key, (role, name, 0.0))[2]) / (t1 - t0)
-    return sps, busy, len(os.sched_getaffinity(0)), learner_wait(rows, row0[1], row1[1])
+    return sps, busy, machine.cores(), learner_wait(rows, row0[1], row1[1])
 
 
 def main(argv=None):

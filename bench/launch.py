@@ -41,6 +41,7 @@ if REPO not in sys.path:  # `python -m bench.launch` from another directory
     sys.path.insert(0, REPO)
 
 from beast import flags as beast_flags  # noqa: E402
+from beast import machine  # noqa: E402
 from beast import runlog  # noqa: E402
 
 # The trainers a grid can run: the module, and what starts it. polybeast-2ranks is PolyBeast
@@ -61,7 +62,7 @@ STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; a run writes its checkpoint in between
 
 def default_parallel():
     """Half the cores: a run keeps about two busy (its actors, its learner); 1 on 2 cores."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    return max(1, machine.cores() // 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def share_cores(spec, parallel):
     flags choose: by default a run's learner takes every core, and N of them would fight."""
     if parallel <= 1 or "--num_torch_threads" in " ".join(spec.args):
         return spec
-    threads = max(1, len(os.sched_getaffinity(0)) // parallel)
+    threads = max(1, machine.cores() // parallel)
     return dataclasses.replace(spec, args=spec.args + ("--num_torch_threads", str(threads)))
 
 

@@ -510,7 +510,7 @@ def main(argv=None):
         print("error: " + "\n       ".join(problems), file=sys.stderr)
         return 2
 
-    cores = len(os.sched_getaffinity(0))
+    cores = machine.cores()
     started = time.monotonic()
     report = Report()
     header = machine_header(args, cores)

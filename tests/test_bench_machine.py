@@ -33,7 +33,7 @@ def test_a_runs_metadata_names_its_machine(tmp_path, monkeypatch):
     """meta.json says what the run ran on; a CPU run names no GPU and never asks CUDA."""
     monkeypatch.setattr(machine, "this_cpu", lambda: ("AMD EPYC 9B14", "AVX-512 BF16"))
     asked = []
-    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda d: asked.append(d))
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda d: asked.append(d))
     run_dir = runlog.RunDir(str(tmp_path), "run")
     runlog.write_metadata(run_dir, {"env": "CartPole-v1"},
                           dict(machine=machine.describe("cpu")))
@@ -44,8 +44,8 @@ def test_a_runs_metadata_names_its_machine(tmp_path, monkeypatch):
 
 
 def test_a_cuda_learner_is_described_by_its_gpu(monkeypatch):
-    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(machine.torch.version, "cuda", "13.0")
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda d: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr("torch.version.cuda", "13.0")
     assert machine.gpu_description("cuda") == "NVIDIA H100 80GB HBM3 (CUDA 13.0)"
     assert machine.describe("cuda")["gpu"] == "NVIDIA H100 80GB HBM3 (CUDA 13.0)"
 
