@@ -11,6 +11,11 @@ Data path:
     --batch_size rollouts concatenated along dim 1--> learner threads
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
+The actor pool, the batcher and the inference threads run in a process of their own, forked
+from the learner's (ActingProcess; with a CUDA learner, or --no-acting_process, they are
+threads of the learner's process: ActingThreads). Its batches reach the learner through
+shared memory, and the learner writes the acting model's weights there.
+
 Everything around the actors (flags, run directory, learner, logs, checkpoints,
 resume, evaluation, --mode test) is the run skeleton MonoBeast shares, in
 beast/training.py.
@@ -30,6 +35,7 @@ import time
 
 import numpy as np
 import torch
+from torch import multiprocessing as mp
 
 import libpolybeast
 from beast import distributed
@@ -64,6 +70,9 @@ ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
 DEFAULT_NUM_ACTORS = 4
 # --local_transport -> the scheme of its socket addresses (beast/flags.py SOCKET_SCHEMES).
 TRANSPORT_SCHEMES = {"raw": "raw:", "grpc": "unix:"}
+# The acting process is forked, as MonoBeast's actors are: it starts at once and inherits
+# the acting model's shared memory. (No gRPC runs in this process before it.)
+FORK = mp.get_context("fork")
 
 
 def make_parser():
@@ -80,6 +89,12 @@ def make_parser():
                              "keep --num_torch_threads). One: a batch of single steps is too "
                              "small to split: on 2 cores Pong ran at 1,222-1,287 SPS with 1 "
                              "against 1,135-1,204 with 2, side by side.")
+    parser.add_argument("--acting_process", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="Run the actor threads and inference in a process of their own, "
+                             "so that inference waits on neither the learner's GIL nor its "
+                             "memory allocator (default: with the learner on the CPU; a CUDA "
+                             "learner cannot be forked, so there they stay in its process).")
     parser.add_argument("--inference_batch_size", type=int, default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
@@ -491,28 +506,69 @@ class InferenceModels:
     The learner calls load_state_dict after every step. A forward pass holds
     its replica's lock, so it never sees weights half-way through a copy, and
     the copy waits at most one small forward pass. One replica per thread
-    keeps the inference threads from waiting on each other.
+    keeps the inference threads from waiting on each other. shared: the replicas
+    in shared memory and the locks across processes, for an ActingProcess.
     """
 
-    def __init__(self, replicas):
+    def __init__(self, replicas, shared=False):
         self.replicas = list(replicas)
-        self.locks = [threading.Lock() for _ in self.replicas]
+        self.shared = shared
+        if shared:
+            for replica in self.replicas:
+                replica.share_memory()
+        self.abandoned = threading.Event()
+        self.renew_locks()
+
+    def renew_locks(self):
+        """Fresh locks: after an acting process died, perhaps holding one."""
+        make_lock = FORK.Lock if self.shared else threading.Lock
+        self.locks = [make_lock() for _ in self.replicas]
+        self.abandoned.clear()
+
+    def abandon(self):
+        """The process that used the locks is gone: writers stop waiting on them (its
+        replacement gets renew_locks and the weights again)."""
+        self.abandoned.set()
 
     def load_state_dict(self, state_dict):
         for replica, lock in zip(self.replicas, self.locks):
-            with lock:
+            if not self._acquire(lock):
+                continue
+            try:
                 replica.load_state_dict(state_dict)
+            finally:
+                lock.release()
+
+    def _acquire(self, lock):
+        """Takes lock; False if abandon() is called while waiting."""
+        while not lock.acquire(timeout=0.1):
+            if self.abandoned.is_set():
+                return False
+        return True
 
     def forward(self, index, inputs, core_state):
         with self.locks[index], torch.no_grad():
             return self.replicas[index](inputs, core_state)
 
 
+def uses_acting_process(flags, device):
+    """--acting_process, or by default whether the learner is on the CPU."""
+    if flags.acting_process is None:
+        return device.type == "cpu"
+    return flags.acting_process
+
+
 def acting_model(flags, info, model):
     """One replica of the model per inference thread, on the learner's device."""
     device = next(model.parameters()).device
-    return InferenceModels(training.build_model(flags, info).to(device)
-                           for _ in range(flags.num_inference_threads))
+    if flags.acting_process and device.type != "cpu":
+        raise training.UserError(
+            f"--acting_process needs the learner on the CPU (it is on {device}): the process "
+            "is forked, and CUDA does not survive a fork. Drop --acting_process, or add "
+            "--disable_cuda.")
+    return InferenceModels((training.build_model(flags, info).to(device)
+                            for _ in range(flags.num_inference_threads)),
+                           shared=uses_acting_process(flags, device))
 
 
 def to_torch(array, device):
@@ -601,15 +657,263 @@ def _tls_hint(flags, addresses):
 
 
 # ----------------------------------------------------------------------------
-# Learning.
+# Where the acting runs: threads of this process, or a process of its own.
 
-def learner_batches(learner_queue, device):
-    """(batch, initial_agent_state) from the learner queue: rollouts [T+1, B, ...] and the
-    core state before step 0 of each, [layers, B, hidden]. What the servers sent was checked
-    where it entered, at inference (check_env_outputs); the rest is our own model's output."""
-    for rollouts, initial_agent_state in learner_queue:
-        yield ({k: to_torch(v, device) for k, v in rollouts.items()},
-               tuple(to_torch(s, device) for s in initial_agent_state))
+def create_actor_pool(flags, schema, models, addresses):
+    """The learner queue, the inference batcher and the actor pool that feeds them."""
+    learner_queue = libpolybeast.BatchingQueue(
+        batch_dim=1, minimum_batch_size=flags.batch_size, maximum_batch_size=flags.batch_size,
+        maximum_queue_size=learner_queue_size(flags))
+    # Minimum 1: a batch is whatever requests came in during the previous
+    # forward pass, so no actor waits for others to catch up.
+    inference_batcher = libpolybeast.DynamicBatcher(
+        batch_dim=1, minimum_batch_size=1, maximum_batch_size=inference_batch_size(flags))
+    # The agent state of one actor has batch dim 1: [layers, 1, hidden].
+    initial_agent_state = tuple(s.numpy() for s in models.replicas[0].initial_state(1))
+    actor_pool = libpolybeast.ActorPool(
+        unroll_length=flags.unroll_length, learner_queue=learner_queue,
+        inference_batcher=inference_batcher, env_server_addresses=addresses,
+        initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
+        stream_timeout_s=flags.stream_timeout_s, env_keys=list(schema.names("env")),
+        envs_per_stream=flags.envs_per_stream,
+        # int64 0, or float32 zeros [A] for a Box action space (single-environment streams).
+        initial_last_action=schema.zeros((), source="env")["last_action"],
+        tls=tls.learner_config(flags))
+    return learner_queue, inference_batcher, actor_pool
+
+
+def start_acting(errors, flags, schema, models, addresses, device):
+    """Starts the actor pool's thread and the inference threads; returns (learner_queue,
+    the queues to close at the end, the started threads, the actor pool). errors: the
+    training.ThreadErrors that keeps their exceptions."""
+    learner_queue, inference_batcher, actor_pool = create_actor_pool(flags, schema, models,
+                                                                     addresses)
+    threads = [errors.thread("actor-pool", run_actor_pool, actor_pool, addresses, flags)]
+    threads += [errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
+                              schema, device, flags.inference_torch_threads,
+                              on_error=inference_batcher.close)
+                for i in range(flags.num_inference_threads)]
+    for thread in threads:
+        thread.start()
+    return learner_queue, (learner_queue, inference_batcher, actor_pool), threads, actor_pool
+
+
+def close_and_join(queues, threads):
+    """Closing the queues wakes every thread: actors blocked in compute() or enqueue(), the
+    inference threads and whoever takes from the learner queue."""
+    for queue in queues:
+        queue.close()
+    for thread in threads:
+        thread.join(timeout=JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            print(f"warning: thread {thread.name} did not stop within {JOIN_TIMEOUT_S} s.",
+                  file=sys.stderr)
+
+
+class ActingThreads:
+    """The actor pool and inference as threads of the learner's process (a CUDA learner,
+    or --no-acting_process). Their errors are the run's (run.errors)."""
+
+    def __init__(self, run, models, addresses, env_errors_before=0):
+        self.learner_queue, self.queues, self.threads, actor_pool = start_acting(
+            run.errors, run.flags, run.schema, models, addresses, run.device)
+        self.env_errors = actor_pool.env_errors
+
+    def batches(self, device):
+        """(batch, initial_agent_state) for a learner thread: rollouts [T+1, B, ...] and the
+        core state before step 0 of each, [layers, B, hidden]. What the servers sent was
+        checked where it entered, at inference (check_env_outputs); the rest is our own
+        model's output."""
+        for rollouts, initial_agent_state in self.learner_queue:
+            yield ({k: to_torch(v, device) for k, v in rollouts.items()},
+                   tuple(to_torch(s, device) for s in initial_agent_state))
+
+    def check(self):
+        pass  # their errors and early ends are the run's: Run.supervise sees them
+
+    def close(self):
+        close_and_join(self.queues, [])  # the learner threads join the ones above
+
+
+class ActingProcess:
+    """The actor pool and inference in a process of their own: the default with the
+    learner on the CPU.
+
+    In the learner's process, inference waited on the learner thread's locks, the GIL
+    and (on Atari) the one malloc arena the learner keeps (training.reuse_freed_memory),
+    and a tenth of 2 cores idled on Pong (README, Performance). Here it shares neither.
+    The acting model's replicas are in shared memory, written by the learner under
+    cross-process locks (InferenceModels). Each batch of rollouts reaches the learner in
+    one of num_learner_threads shared-memory slots: the acting process fills a free slot
+    from its learner queue and sends its index; the learner sends it back after its step.
+    So no more batches are in flight than with threads: the one being learned on and
+    the learner queue's.
+    """
+
+    def __init__(self, run, models, addresses, env_errors_before=0):
+        flags = run.flags
+        self.slots = [create_slot(flags, run.schema, models)
+                      for _ in range(flags.num_learner_threads)]
+        self.full_reader, full_writer = FORK.Pipe(duplex=False)
+        free_reader, self.free_writer = FORK.Pipe(duplex=False)
+        self.error_reader, error_writer = FORK.Pipe(duplex=False)
+        self.error_count = FORK.Value("q", 0, lock=False)  # one writer
+        # A flag without a lock (one writer each way): the process may die holding a
+        # multiprocessing.Event's lock, and then setting it would wait for ever.
+        self.stopping = FORK.RawValue("b", 0)
+        # The learner threads share this end of the pipes.
+        self.read_lock, self.write_lock = threading.Lock(), threading.Lock()
+        # Kept open here too, so that a dead process leaves no end-of-file to read, only
+        # silence (its messages are too short to be cut off half-way).
+        self.child_ends = (free_reader, full_writer, error_writer)
+        for index in range(len(self.slots)):
+            self.free_writer.send(index)
+        self.threads = []  # check() watches the process
+        self.models, self.env_errors_before = models, env_errors_before
+        self.started = time.monotonic()
+        self.process = FORK.Process(
+            target=act, name="acting", daemon=True,
+            args=(flags, run.schema, models, addresses, self.slots, free_reader, full_writer,
+                  error_writer, self.error_count, self.stopping, os.getpid()))
+        self.process.start()
+
+    def env_errors(self):
+        return self.env_errors_before + self.error_count.value
+
+    def batches(self, device):
+        """(batch, initial_agent_state) for a learner thread, from the slots (on the CPU:
+        the learner is). A slot goes back once the learner asks for the next batch."""
+        while True:
+            index = self._next_full()
+            if index is None:
+                return
+            batch, state = self.slots[index]
+            yield batch, state
+            with self.write_lock:
+                self.free_writer.send(index)
+
+    def _next_full(self):
+        """The index of a filled slot; None once the process stops."""
+        while not self.stopping.value:
+            with self.read_lock:
+                if self.full_reader.poll(0.1):
+                    return self.full_reader.recv()
+        return None
+
+    def check(self):
+        """Raises what went wrong in the acting process (its message), or that it died."""
+        if self.error_reader.poll():
+            user_error, message = self.error_reader.recv()
+            raise (training.UserError if user_error else RuntimeError)(message)
+        if self.process.exitcode is not None:
+            raise ActingDied(self.process.exitcode)
+
+    def close(self):
+        """Asks the process to stop; kills it if it has not within JOIN_TIMEOUT_S. Then no
+        one holds the acting model's locks but, perhaps, the dead: abandon them."""
+        self.stopping.value = 1
+        self.process.join(JOIN_TIMEOUT_S)
+        if self.process.is_alive():
+            print(f"warning: the acting process did not stop within {JOIN_TIMEOUT_S} s; "
+                  "killing it.", file=sys.stderr)
+            self.process.kill()
+            self.process.join(JOIN_TIMEOUT_S)
+        self.models.abandon()
+
+
+class ActingDied(RuntimeError):
+    """The acting process ended before it was told to: killed (the OOM killer), or it
+    exited, which it does only when told to or after sending its error."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+        super().__init__(f"The acting process (actor threads and inference) exited with status "
+                         f"{exitcode} {_signal_name(exitcode)}while the run went on.")
+
+
+def _signal_name(code):
+    """'(SIGKILL) ' for an exit status -9; '' for others."""
+    try:
+        return f"({signal.Signals(-code).name}) " if code < 0 else ""
+    except ValueError:  # a real-time signal has no name
+        return ""
+
+
+def create_slot(flags, schema, models):
+    """Shared memory for one learner batch: every rollout field [T+1, B, ...] and the
+    agent state before step 0 of each rollout [layers, B, hidden]."""
+    leading = (flags.unroll_length + 1, flags.batch_size)
+    batch = {name: torch.zeros(leading + f.shape, dtype=f.torch_dtype).share_memory_()
+             for name, f in schema.fields.items()}
+    state = tuple(s.share_memory_() for s in models.replicas[0].initial_state(flags.batch_size))
+    return batch, state
+
+
+def act(flags, schema, models, addresses, slots, free_reader, full_writer, error_writer,
+        error_count, stopping, parent):
+    """The acting process's main thread: starts the actor pool, inference and the thread
+    that fills the slots, then watches them until the learner asks it to stop, the learner
+    is gone, or one of them fails (its message goes to the learner)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is SIGTERM, sent to the whole group by timeout or Slurm
+    training.name_os_thread("acting")
+    torch.set_num_threads(1)
+    errors = training.ThreadErrors()
+    learner_queue, queues, threads, actor_pool = start_acting(
+        errors, flags, schema, models, addresses, torch.device("cpu"))
+    threads.append(errors.thread("fill-slots", fill_slots, learner_queue, slots, free_reader,
+                                 full_writer, stopping))
+    threads[-1].start()
+    try:
+        while not stopping.value and os.getppid() == parent:
+            time.sleep(0.1)
+            error_count.value = actor_pool.env_errors()
+            failure = _failure(errors, threads)
+            if failure is not None:
+                error_writer.send(failure)
+                return
+    finally:
+        stopping.value = 1  # fill-slots stops waiting for a free slot
+        close_and_join(queues, threads)
+
+
+def _failure(errors, threads):
+    """(is a UserError, message) for the first thread that failed or ended; else None."""
+    try:
+        errors.raise_first()
+    except Exception as e:
+        return isinstance(e, training.UserError), str(e)
+    ended = [t.name for t in threads if not t.is_alive()]
+    if ended:
+        return False, f"thread {', '.join(ended)} of the acting process ended unexpectedly."
+    return None
+
+
+def fill_slots(learner_queue, slots, free_reader, full_writer, stopping):
+    """Copies each batch of the learner queue into a free slot and sends its index. A free
+    slot first: the learner queue keeps the next batch meanwhile, so that batches are not
+    taken from it earlier than the learner can use them."""
+    training.set_intra_op_threads(1)
+    batches = iter(learner_queue)
+    while True:
+        index = _next_free(free_reader, stopping)
+        pair = None if index is None else next(batches, None)
+        if pair is None:
+            return
+        batch, state = slots[index]
+        rollouts, initial_agent_state = pair
+        for name, array in rollouts.items():
+            batch[name].copy_(torch.from_numpy(array))
+        for tensor, array in zip(state, initial_agent_state):
+            tensor.copy_(torch.from_numpy(array))
+        full_writer.send(index)
+
+
+def _next_free(free_reader, stopping):
+    while not stopping.value:
+        if free_reader.poll(0.1):
+            return free_reader.recv()
+    return None
 
 
 # ----------------------------------------------------------------------------
@@ -631,56 +935,46 @@ def train_loop(run, models, servers):
             print(f"warning: the env servers at {', '.join(remote)} are reached over the "
                   "network; the traffic is neither authenticated nor encrypted (see --tls_ca).",
                   file=sys.stderr)
-    learner_queue, inference_batcher, actor_pool = create_actor_pool(run, models, addresses)
-    threads = [run.errors.thread("actor-pool", run_actor_pool, actor_pool, addresses,
-                                 flags)]
-    threads += [run.errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
-                                  run.schema, run.device, flags.inference_torch_threads,
-                                  on_error=inference_batcher.close)
-                for i in range(flags.num_inference_threads)]
-    threads += [run.errors.thread(f"learner-{i}", run.learner_thread,
-                                  learner_batches(learner_queue, run.device))
-                for i in range(flags.num_learner_threads)]
+    kind = ActingProcess if uses_acting_process(flags, run.device) else ActingThreads
+    policy, env_errors = restarts.RestartPolicy(), 0
+    while True:
+        acting = kind(run, models, addresses, env_errors)
+        died = None
+        try:
+            learn_while_acting(run, acting, servers)
+            return
+        except ActingDied as e:
+            died = e
+            why_not = policy.why_not(time.monotonic() - acting.started)
+            if why_not is not None:
+                raise training.UserError(f"{died} It is not started again: {why_not}.") from None
+            print(f"\nwarning: {died} Starting it again (restart {policy.restarts}); the "
+                  "rollouts in flight are dropped, the weights kept.", file=sys.stderr)
+        finally:
+            env_errors = acting.env_errors()
+        # Its replacement acts with the learner's latest weights, under new locks.
+        models.renew_locks()
+        run.learner.publish()
+
+
+def learn_while_acting(run, acting, servers):
+    """Learner threads on acting's batches, supervised until total_steps, a stop or an
+    error (ActingDied: the acting process is gone); they are joined before it returns."""
+    threads = [run.errors.thread(f"learner-{i}", run.learner_thread, acting.batches(run.device))
+               for i in range(run.flags.num_learner_threads)]
     for thread in threads:
         thread.start()
+
+    def check():
+        acting.check()
+        if servers is not None:
+            servers.check()
+
     try:
-        run.supervise(threads, servers.check if servers is not None else None,
-                      env_errors=actor_pool.env_errors)
+        run.supervise(threads + acting.threads, check, env_errors=acting.env_errors)
     finally:
-        # Closing the queues wakes every thread: actors blocked in compute()
-        # or enqueue(), the inference threads and the learner threads.
-        learner_queue.close()
-        inference_batcher.close()
-        actor_pool.close()
-        for thread in threads:
-            thread.join(timeout=JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                print(f"warning: thread {thread.name} did not stop within {JOIN_TIMEOUT_S} s.",
-                      file=sys.stderr)
-
-
-def create_actor_pool(run, models, addresses):
-    """The learner queue, the inference batcher and the actor pool that feeds them."""
-    flags = run.flags
-    learner_queue = libpolybeast.BatchingQueue(
-        batch_dim=1, minimum_batch_size=flags.batch_size, maximum_batch_size=flags.batch_size,
-        maximum_queue_size=learner_queue_size(flags))
-    # Minimum 1: a batch is whatever requests came in during the previous
-    # forward pass, so no actor waits for others to catch up.
-    inference_batcher = libpolybeast.DynamicBatcher(
-        batch_dim=1, minimum_batch_size=1, maximum_batch_size=inference_batch_size(flags))
-    # The agent state of one actor has batch dim 1: [layers, 1, hidden].
-    initial_agent_state = tuple(s.numpy() for s in models.replicas[0].initial_state(1))
-    actor_pool = libpolybeast.ActorPool(
-        unroll_length=flags.unroll_length, learner_queue=learner_queue,
-        inference_batcher=inference_batcher, env_server_addresses=addresses,
-        initial_agent_state=initial_agent_state, connect_timeout_s=flags.connect_timeout_s,
-        stream_timeout_s=flags.stream_timeout_s, env_keys=list(run.schema.names("env")),
-        envs_per_stream=flags.envs_per_stream,
-        # int64 0, or float32 zeros [A] for a Box action space (single-environment streams).
-        initial_last_action=run.schema.zeros((), source="env")["last_action"],
-        tls=tls.learner_config(flags))
-    return learner_queue, inference_batcher, actor_pool
+        acting.close()
+        close_and_join([], threads + acting.threads)
 
 
 VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,

@@ -248,6 +248,11 @@ class Learner:
         acting_model.weights_step = torch.zeros((), dtype=torch.int64).share_memory_()
         self._publish()
 
+    def publish(self):
+        """The weights to the acting model again (PolyBeast's new acting process)."""
+        with self.lock:
+            self._publish()
+
     def _publish(self):
         """The new weights to the acting model, then their step."""
         self.acting_model.load_state_dict(self.model.state_dict())

@@ -5,7 +5,8 @@
 
 Starts `python -m <variant> --env <env>` (flags after `--` go to it), waits --warmup_s,
 reads the CPU time of every thread of the learner process and of its descendants (env
-servers, actor processes) from /proc, waits --window_s, reads again, and stops the run.
+servers, actor processes, PolyBeast's acting process) from /proc, waits --window_s, reads
+again, and stops the run.
 Prints the SPS over the window (from logs.csv), and for each role and thread name the cores
 it kept busy and its core-microseconds per environment step. The runs name their threads
 (learner-<i>, inference-<i>, PolyBeast's C++ actor-<i> threads, MonoBeast's actor-<i>
@@ -74,11 +75,12 @@ def descendants(root):
 
 def cpu_seconds(root):
     """{(pid, tid): (role, thread name, user + system CPU seconds)} for root's tree. Role:
-    "learner process" for root, "children" (env servers, actors) for the rest."""
+    "learner process" for root, "children" (env servers, actors, PolyBeast's acting process) for
+    the rest."""
     tick = os.sysconf("SC_CLK_TCK")
     times = {}
     for pid in descendants(root):
-        role = "learner process" if pid == root else "children (servers / actors)"
+        role = "learner process" if pid == root else "children (servers, actors, acting)"
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

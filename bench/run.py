@@ -64,6 +64,10 @@ def workloads():
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
           ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
+        # Actor threads and inference in the learner's process, as before 2026-11-26's
+        # acting process (README, "The acting process").
+        W("poly-pong-threads", "polybeast", "ALE/Pong-v5",
+          "repo defaults, --no-acting_process", ["--no-acting_process"]),
         # The same over gRPC instead of the raw transport (README, "The raw transport").
         W("poly-pong-grpc", "polybeast", "ALE/Pong-v5", "repo defaults, gRPC to local servers",
           ["--local_transport", "grpc"]),
@@ -75,6 +79,8 @@ def workloads():
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
+        W("poly-cartpole-threads", "polybeast", "CartPole-v1",
+          "repo defaults, --no-acting_process", ["--no-acting_process"]),
         W("poly-cartpole-grpc", "polybeast", "CartPole-v1", "repo defaults, gRPC to local servers",
           ["--local_transport", "grpc"]),
         # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
@@ -83,6 +89,8 @@ def workloads():
         W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("poly-minatar-threads", "polybeast", "MinAtar/Breakout-v1",
+          "repo defaults (ResNet), --no-acting_process", ["--no-acting_process"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does: the overhead per step

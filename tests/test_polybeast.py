@@ -6,6 +6,7 @@ the lock that keeps inference off half-copied weights.
 The rollouts themselves (layout, overlap, no rollout spanning a server restart) are checked in
 test_actor_pool.py; here we check what the learner makes of them."""
 
+import argparse
 import contextlib
 import glob
 import math
@@ -25,6 +26,7 @@ import process_helpers
 from beast import checkpoint as ckpt
 from beast import restarts
 from beast import runlog
+from beast import training
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WAIT_S = 120  # upper bound for anything a test waits on; never reached when things work
@@ -186,6 +188,37 @@ def test_inference_never_sees_half_copied_weights():
         assert float(replica.first.detach()[0]) == float(replica.second.detach()[0]) == 299
 
 
+def test_inference_models_abandon_the_locks_of_a_dead_process():
+    """A forked acting process that dies holding a replica's lock (SIGKILL mid forward pass)
+    must not stall the learner: its weight copy gives up once the locks are abandoned, and
+    fresh locks work again."""
+    models = polybeast.InferenceModels([TwoHalves()], shared=True)
+    holder = polybeast.FORK.Process(target=lambda: models.locks[0].acquire() and os._exit(0))
+    holder.start()
+    holder.join(WAIT_S)
+    source = TwoHalves()
+    with torch.no_grad():
+        source.first.fill_(7)
+    copied = threading.Thread(target=models.load_state_dict, args=(source.state_dict(),),
+                              daemon=True)
+    copied.start()
+    copied.join(0.5)
+    assert copied.is_alive(), "the lock of the dead process is still held"
+    models.abandon()
+    copied.join(WAIT_S)
+    assert not copied.is_alive()
+    models.renew_locks()
+    models.load_state_dict(source.state_dict())
+    assert float(models.replicas[0].first.detach()[0]) == 7
+
+
+def test_acting_process_refuses_a_cuda_learner():
+    flags = argparse.Namespace(acting_process=True, num_inference_threads=1)
+    model = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(training.UserError, match="--acting_process needs the learner on the CPU"):
+        polybeast.acting_model(flags, {}, model)
+
+
 @pytest.mark.timeout(600)
 def test_learns_cartpole(tmp_path):
     """Mean return >= 400 over the last 100 episodes within 1M steps (usually 300k-500k; the
@@ -323,6 +356,85 @@ def test_killed_learner_leaves_no_servers(tmp_path):
         stop_group(process, signal.SIGKILL)
     # Only the learner's own process group was killed: the servers run in their own session.
     assert wait_gone(servers) == [], "env server processes outlived a killed learner"
+
+
+def acting_pid(learner_pid):
+    """The pid of the learner's acting process (named "acting"), or None."""
+    for pid in descendants(learner_pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "acting" and process_helpers.alive(pid):
+                    return pid
+        except OSError:
+            pass
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_acting_process_is_started_again(tmp_path):
+    """SIGKILL to the acting process (the actor threads and inference; what the OOM killer
+    might pick): a warning, a new acting process with the learned weights, and the steps go
+    on; twice, so that one of the kills is likely to land while it holds a lock of the acting
+    model (the one-lock case is test_inference_models_abandon_the_locks_of_a_dead_process)."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start_training(tmp_path)
+    log = lambda: output(tmp_path, "learner")  # noqa: E731
+    try:
+        killed = []
+        for _ in range(2):
+            pid = wait_for(lambda: acting_pid(process.pid) not in (None, *killed),
+                           "a new acting process", process, log) and acting_pid(process.pid)
+            # Past restarts.QUICK_EXIT_S: a process that served, not one that never came up.
+            time.sleep(restarts.QUICK_EXIT_S + 1)
+            step = last_step(run_dir)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            wait_for(lambda: last_step(run_dir) > step + 20000, "steps after the kill",
+                     process, log)
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == 0, log()
+    assert log().count("The acting process (actor threads and inference) exited with status -9 "
+                       "(SIGKILL) while the run went on. Starting it again") == 2, log()
+    assert "Traceback" not in log(), log()
+    assert checkpoint_step(run_dir) >= last_step(run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
+    """timeout(1) and Slurm signal the learner's whole process group: the acting process
+    leaves the stopping to the learner, which checkpoints and stops it."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start_training(tmp_path, "--checkpoint_interval_s", "100000")
+    try:
+        acting = wait_for(lambda: acting_pid(process.pid), "the acting process", process,
+                          lambda: output(tmp_path, "learner"))
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == 0, output(tmp_path, "learner")
+    assert "Stopping on request" in output(tmp_path, "learner")
+    assert "Traceback" not in output(tmp_path, "learner")
+    assert checkpoint_step(run_dir) >= last_step(run_dir) > 0
+    assert wait_gone([acting]) == []
+
+
+@pytest.mark.timeout(300)
+def test_acting_threads_in_the_learners_process(tmp_path):
+    """--no-acting_process (what a CUDA learner gets): the actor threads and inference in the
+    learner's process, as before the acting process; it trains and makes no such process."""
+    process = start_training(tmp_path, "--no-acting_process")
+    try:
+        assert acting_pid(process.pid) is None
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == 0, output(tmp_path, "learner")
+    assert last_step(tmp_path / "runs" / "run") > 0
 
 
 @pytest.mark.timeout(300)
