@@ -427,9 +427,10 @@ def reuse_freed_memory():
     all threads (a thread's own arena cannot grow past 64 MB, so its large blocks are
     always mmapped), blocks up to 1 GiB from that heap, and no trimming of its top: the
     process stays at its peak size and reuses it. Only on Atari (keeps_freed_memory;
-    --malloc_release turns it off there too). The price: PolyBeast's inference thread then
-    waits on the arena's lock while the learner holds it, which with the GIL leaves a tenth
-    of 2 cores idle on Pong (README, "That idle tenth on Pong, looked into"). Linux with
+    --malloc_release turns it off there too). The price: an inference thread in the same process
+    waits on the arena's lock while the learner holds it, which with the GIL left a tenth
+    of 2 cores idle on Pong (README, "That idle tenth on Pong, looked into"); PolyBeast's
+    acting process (a CPU learner) takes inference out of this process for that reason. Linux with
     glibc only; elsewhere, or if mallopt refuses, nothing changes."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
