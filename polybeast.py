@@ -712,7 +712,8 @@ def close_and_join(queues, threads):
 
 class ActingThreads:
     """The actor pool and inference as threads of the learner's process (a CUDA learner,
-    or --no-acting_process). Their errors are the run's (run.errors)."""
+    or --no-acting_process). Their errors are the run's (run.errors); nothing can kill
+    them alone, so they are never started again (env_errors_before is for the interface)."""
 
     def __init__(self, run, models, addresses, env_errors_before=0):
         self.learner_queue, self.queues, self.threads, actor_pool = start_acting(
@@ -757,7 +758,7 @@ class ActingProcess:
         self.full_reader, full_writer = FORK.Pipe(duplex=False)
         free_reader, self.free_writer = FORK.Pipe(duplex=False)
         self.error_reader, error_writer = FORK.Pipe(duplex=False)
-        self.error_count = FORK.Value("q", 0, lock=False)  # one writer
+        self.error_count = FORK.RawValue("q", 0)  # one writer
         # A flag without a lock (one writer each way): the process may die holding a
         # multiprocessing.Event's lock, and then setting it would wait for ever.
         self.stopping = FORK.RawValue("b", 0)
@@ -960,17 +961,18 @@ def train_loop(run, models, servers):
 def learn_while_acting(run, acting, servers):
     """Learner threads on acting's batches, supervised until total_steps, a stop or an
     error (ActingDied: the acting process is gone); they are joined before it returns."""
-    threads = [run.errors.thread(f"learner-{i}", run.learner_thread, acting.batches(run.device))
-               for i in range(run.flags.num_learner_threads)]
-    for thread in threads:
-        thread.start()
-
     def check():
         acting.check()
         if servers is not None:
             servers.check()
 
+    threads = []
     try:
+        threads += [run.errors.thread(f"learner-{i}", run.learner_thread,
+                                      acting.batches(run.device))
+                    for i in range(run.flags.num_learner_threads)]
+        for thread in threads:
+            thread.start()
         run.supervise(threads + acting.threads, check, env_errors=acting.env_errors)
     finally:
         acting.close()

@@ -403,6 +403,22 @@ def test_a_killed_acting_process_is_started_again(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_learner_killed_alone_leaves_no_acting_process(tmp_path):
+    """SIGKILL to the learner's process only (its group lives on): the acting process sees
+    that its parent is gone and ends, as the servers do."""
+    process = start_training(tmp_path)
+    try:
+        acting = wait_for(lambda: acting_pid(process.pid), "the acting process", process,
+                          lambda: output(tmp_path, "learner"))
+        servers = [p for p in descendants(process.pid) if p != acting]
+        process.kill()
+        process.wait(WAIT_S)
+        assert wait_gone([acting] + servers) == [], "processes outlived a killed learner"
+    finally:
+        stop_group(process, signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
 def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
     """timeout(1) and Slurm signal the learner's whole process group: the acting process
     leaves the stopping to the learner, which checkpoints and stops it."""
