@@ -855,8 +855,10 @@ def act(flags, schema, models, addresses, slots, free_reader, full_writer, error
     """The acting process's main thread: starts the actor pool, inference and the thread
     that fills the slots, then watches them until the learner asks it to stop, the learner
     is gone, or one of them fails (its message goes to the learner)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is SIGTERM, sent to the whole group by timeout or Slurm
+    # Ctrl-C is the learner's to handle, and so is a SIGTERM that timeout(1) or Slurm send to
+    # the whole process group: the learner checkpoints, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     training.name_os_thread("acting")
     torch.set_num_threads(1)
     errors = training.ThreadErrors()
