@@ -74,9 +74,7 @@ def make_parser():
 def create_buffers(flags, schema):
     """Shared-memory tensors [T+1, num_buffers, ...], one per field of the rollout
     schema: index_select on dim 1 gives a time-major batch in one copy."""
-    leading = (flags.unroll_length + 1, flags.num_buffers)
-    return {name: torch.zeros(leading + f.shape, dtype=f.torch_dtype).share_memory_()
-            for name, f in schema.fields.items()}
+    return schema.shared_zeros((flags.unroll_length + 1, flags.num_buffers))
 
 
 def create_state_buffers(model, num_buffers):
@@ -246,11 +244,7 @@ class ActorDied(RuntimeError):
             how = (f"had been stepping its environments for {hung_s:.0f} s without finishing "
                    "a step (--actor_timeout_s), and was killed")
         elif exitcode < 0:
-            try:
-                name = f" ({signal.Signals(-exitcode).name})"
-            except ValueError:  # a real-time signal has no name
-                name = ""
-            how = f"was killed by signal {-exitcode}{name}"
+            how = restarts.how_it_ended(exitcode)
         else:
             how = f"died with exit code {exitcode}; its traceback is above"
         super().__init__(f"Actor process {index} {how}.")

@@ -93,8 +93,9 @@ def make_parser():
                         default=None,
                         help="Run the actor threads and inference in a process of their own, "
                              "so that inference waits on neither the learner's GIL nor its "
-                             "memory allocator (default: with the learner on the CPU; a CUDA "
-                             "learner cannot be forked, so there they stay in its process).")
+                             "memory allocator (default: with the learner on the CPU; a fork "
+                             "of a CUDA learner could not use CUDA, so there they stay in its "
+                             "process).")
     parser.add_argument("--inference_batch_size", type=int, default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
@@ -828,26 +829,15 @@ class ActingDied(RuntimeError):
 
     def __init__(self, exitcode):
         self.exitcode = exitcode
-        super().__init__(f"The acting process (actor threads and inference) exited with status "
-                         f"{exitcode} {_signal_name(exitcode)}while the run went on.")
-
-
-def _signal_name(code):
-    """'(SIGKILL) ' for an exit status -9; '' for others."""
-    try:
-        return f"({signal.Signals(-code).name}) " if code < 0 else ""
-    except ValueError:  # a real-time signal has no name
-        return ""
+        super().__init__(f"The acting process (actor threads and inference) "
+                         f"{restarts.how_it_ended(exitcode)} while the run went on.")
 
 
 def create_slot(flags, schema, models):
     """Shared memory for one learner batch: every rollout field [T+1, B, ...] and the
     agent state before step 0 of each rollout [layers, B, hidden]."""
-    leading = (flags.unroll_length + 1, flags.batch_size)
-    batch = {name: torch.zeros(leading + f.shape, dtype=f.torch_dtype).share_memory_()
-             for name, f in schema.fields.items()}
     state = tuple(s.share_memory_() for s in models.replicas[0].initial_state(flags.batch_size))
-    return batch, state
+    return schema.shared_zeros((flags.unroll_length + 1, flags.batch_size)), state
 
 
 def act(flags, schema, models, addresses, slots, free_reader, full_writer, error_writer,

@@ -9,6 +9,7 @@ row, rather than a loop of restarts. The other way round, a process whose parent
 """
 
 import os
+import signal
 import threading
 import time
 
@@ -34,6 +35,17 @@ class RestartPolicy:
             return f"the last {self.quick} starts each ended within {QUICK_EXIT_S:g} s"
         self.restarts += 1
         return None
+
+
+def how_it_ended(exitcode):
+    """A process's end in words, from its exit code (negative: the signal that killed it)."""
+    if exitcode >= 0:
+        return f"exited with status {exitcode}"
+    try:
+        name = f" ({signal.Signals(-exitcode).name})"
+    except ValueError:  # a real-time signal has no name
+        name = ""
+    return f"was killed by signal {-exitcode}{name}"
 
 
 def when_orphaned(parent_pid, action, poll_s=1.0, name="parent-watch"):

@@ -268,6 +268,12 @@ class Schema:
         return {n: np.zeros(tuple(leading_shape) + f.shape, dtype=f.dtype)
                 for n, f in self.fields.items() if source in (None, f.source)}
 
+    def shared_zeros(self, leading_shape):
+        """A dict of zero tensors [*leading_shape, *shape] in shared memory, one per field:
+        MonoBeast's buffers, PolyBeast's batch slots."""
+        return {n: torch.zeros(tuple(leading_shape) + f.shape, dtype=f.torch_dtype).share_memory_()
+                for n, f in self.fields.items()}
+
     def check(self, arrays, leading_dims, where, source=None):
         """Raises ValueError naming the first field of `arrays` that is missing or does not fit.
 

@@ -396,7 +396,7 @@ def test_a_killed_acting_process_is_started_again(tmp_path):
     finally:
         stop_group(process, signal.SIGKILL)
     assert process.returncode == 0, log()
-    assert log().count("The acting process (actor threads and inference) exited with status -9 "
+    assert log().count("The acting process (actor threads and inference) was killed by signal 9 "
                        "(SIGKILL) while the run went on. Starting it again") == 2, log()
     assert "Traceback" not in log(), log()
     assert checkpoint_step(run_dir) >= last_step(run_dir)

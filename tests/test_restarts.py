@@ -23,3 +23,9 @@ def test_processes_that_served_are_restarted_until_they_keep_dying_at_once():
     reason = policy.why_not(Q / 2)
     assert reason == (f"the last {restarts.MAX_QUICK_RESTARTS} starts each ended within "
                       f"{Q:g} s")
+
+
+def test_how_a_process_ended_in_words():
+    assert restarts.how_it_ended(-9) == "was killed by signal 9 (SIGKILL)"
+    assert restarts.how_it_ended(-40) == "was killed by signal 40"  # real-time: no name
+    assert restarts.how_it_ended(1) == "exited with status 1"
