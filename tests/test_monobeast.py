@@ -9,6 +9,7 @@ import contextlib
 import csv
 import json
 import math
+import multiprocessing
 import os
 import pathlib
 import re
@@ -236,6 +237,47 @@ def test_a_killed_learner_leaves_no_actor_running(tmp_path):
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         assert not left, "actors still running after their learner was killed"
+
+
+def test_actors_leave_sigterm_to_the_learner(tmp_path):
+    """timeout(1) and Slurm send SIGTERM to the whole process group: the learner stops the
+    actors. An actor given SIGTERM, twice and 2.5 s apart (a second signal that late is a
+    "stop now" to the learner's handler, which the fork copied), keeps acting: no
+    traceback, no restart; the run then stops cleanly."""
+    with monobeast_running(tmp_path, "--xpid", "t", "--total_steps", 100_000_000,
+                           "--log_interval_steps", 2000) as proc:
+        wait_for_rows(proc, tmp_path / "t")
+        actor = actor_pids(proc.pid)[0]
+        os.kill(actor, signal.SIGTERM)
+        time.sleep(2.5)
+        os.kill(actor, signal.SIGTERM)
+        steps = int(wait_for_rows(proc, tmp_path / "t")[-1]["step"])
+        wait_for_rows(proc, tmp_path / "t", steps=steps + 4000)
+        assert process_helpers.alive(actor) and actor in actor_pids(proc.pid)
+        stderr = stop_with_sigterm(proc)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "started again" not in stderr, stderr
+
+
+def test_join_actors_kills_an_actor_stuck_on_a_dead_actors_lock():
+    """An actor stuck on a lock that a killed one held (so it cannot see the stop) and
+    ignoring SIGTERM is killed once the wait is over, so nothing outlives the run."""
+    ctx = multiprocessing.get_context("fork")
+    lock = ctx.Lock()
+    lock.acquire()  # held for ever, as by an actor killed while holding it
+
+    def stuck():
+        monobeast.ignore_stop_signals()
+        lock.acquire()
+
+    process = ctx.Process(target=stuck, daemon=True)
+    process.start()
+    started = time.monotonic()
+    monobeast.join_actors([process], timeout_s=0.5)
+    assert not process.is_alive()
+    assert process.exitcode == -signal.SIGKILL
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
