@@ -12,15 +12,25 @@ rate decays to zero over it: a user's `python -m monobeast --env CartPole-v1`
 is what is measured, and a run that ends before the target counts as a failure.
 Pass --total_steps to run longer (e.g. 10**12 for a constant learning rate).
 
+A run longer than one sitting allows (a GPU lent for minutes at a time) goes in pieces:
+with --piece_s and a --workdir, each seed runs at most that long, then is stopped with its
+checkpoint and the command exits with 3; the same command again resumes it (the variants'
+own resume, same --xpid). Its wall time is the sum of the pieces' (each from its launch, so
+each start-up counts), and --time_limit_s bounds that sum. A seed's result, once known, is
+kept in the workdir (solve.json), so a finished seed is reported, not run again.
+
   python -m bench.solve                                  # CartPole-v1, seeds 0..4
   python -m bench.solve --seeds 0,1 -- --learning_rate 0.01
   python -m bench.solve --variant polybeast --output solve.md
+  python -m bench.solve --env ALE/Pong-v5 --target 18 --time_limit_s 3600 --piece_s 500 \
+      --workdir runs/pong                 # again until it exits with 0 or 1
 """
 
 import argparse
 import csv
 import dataclasses
 import io
+import json
 import math
 import os
 import shlex
@@ -69,6 +79,10 @@ def make_parser():
     parser.add_argument("--workdir", default=None,
                         help="Where the runs write, kept afterwards (default: a temporary "
                              "directory, removed at the end).")
+    parser.add_argument("--piece_s", type=float, default=None,
+                        help="Run a seed at most this many wall seconds per invocation, then "
+                             "stop it with its checkpoint and exit with 3; the same command "
+                             "continues it. Needs --workdir. (default: no pieces)")
     return parser
 
 
@@ -90,6 +104,8 @@ class SolveResult:
     last_step: float = math.nan
     load1: float = math.nan  # 1-minute load average when the run was stopped
     note: str = ""
+    paused: bool = False  # stopped after --piece_s: the same command continues it
+    pieces: int = 0  # launches so far
 
 
 def complete_rows(path):
@@ -111,17 +127,32 @@ def complete_rows(path):
     return rows
 
 
-def update(result, rows, launch_time, target, time_limit_s):
-    """Folds logs.csv rows into result; True once a row reaches the target in time."""
+def elapsed_in(pieces, t):
+    """Wall seconds of the run up to time t: pieces is [[launch, stop], ...] in order, the
+    last one's stop may be math.inf (the piece running now). NaN before the first launch."""
+    spent = 0.0
+    for launch, stop in pieces:
+        if t < launch:
+            break
+        if t <= stop:
+            return spent + (t - launch)
+        spent += stop - launch
+    return math.nan
+
+
+def update(result, rows, pieces, target, time_limit_s):
+    """Folds logs.csv rows into result; True once a row reaches the target in time.
+    pieces: the run's launches and stops, for the wall time of each row (elapsed_in)."""
     for row in rows:
+        elapsed = elapsed_in(pieces, row["_time"])
         # No episode has ended yet, or the row came after the limit (we poll late).
-        if math.isnan(row["mean"]) or row["_time"] - launch_time > time_limit_s:
+        if math.isnan(row["mean"]) or not elapsed <= time_limit_s:
             continue
         if math.isnan(result.best_mean) or row["mean"] > result.best_mean:
             result.best_mean, result.best_step = row["mean"], row["step"]
         if row["mean"] >= target and not result.solved:
             result.solved = True
-            result.wall_s = row["_time"] - launch_time
+            result.wall_s = elapsed
             result.steps = row["step"]
     if rows:
         result.last_step = rows[-1]["step"]
@@ -150,14 +181,40 @@ def stop(process, timeout_s=60.0):
         process.wait()
 
 
+PIECES = "pieces.json"  # in a seed's savedir: [[launch, stop], ...] of its earlier pieces
+RESULT = "solve.json"  # in a seed's savedir: its SolveResult, once it is known
+
+
+def read_json(path, default):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return default
+
+
+def write_json(path, value):
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
 def run_seed(args, extra, seed, workdir):
-    """Launches one run and watches it until it solves, fails or ends."""
+    """Launches one run (or its next piece) and watches it until it solves, fails, ends or
+    its piece is over."""
     savedir = os.path.join(workdir, f"seed{seed}")
+    os.makedirs(savedir, exist_ok=True)
+    known = read_json(os.path.join(savedir, RESULT), None)
+    if known is not None:  # finished in an earlier invocation
+        return SolveResult(**known)
     logs_path = os.path.join(savedir, f"seed{seed}", "logs.csv")
-    out_path = os.path.join(workdir, f"seed{seed}.out")
-    result = SolveResult(seed=seed)
-    with open(out_path, "w") as out:
+    pieces = read_json(os.path.join(savedir, PIECES), [])
+    spent = sum(stop - launch for launch, stop in pieces)
+    piece_s = min(args.time_limit_s - spent, args.piece_s or math.inf)
+    result = SolveResult(seed=seed, pieces=len(pieces) + 1)
+    with open(os.path.join(workdir, f"seed{seed}.out"), "a") as out:
         launch_time, launch = time.time(), time.monotonic()
+        running = [*pieces, [launch_time, math.inf]]
         # Its own session, so that a run that ignores SIGTERM can be killed with its actors.
         process = subprocess.Popen(command_for(args, extra, seed, savedir), cwd=REPO,
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -165,23 +222,33 @@ def run_seed(args, extra, seed, workdir):
             while True:
                 code = process.poll()
                 # Read after poll: rows written just before the exit still count.
-                if update(result, complete_rows(logs_path), launch_time, args.target,
+                if update(result, complete_rows(logs_path), running, args.target,
                           args.time_limit_s):
                     break
                 if code is not None:
                     result.note = (f"run ended at step {fmt(result.last_step, 0)}" if code == 0
                                    else f"exited with status {code}: "
-                                   + endtoend._tail(out_path, 300).strip().replace("\n", " / "))
+                                   + endtoend._tail(out.name, 300).strip().replace("\n", " / "))
                     break
-                if time.monotonic() - launch > args.time_limit_s:
+                if spent + time.monotonic() - launch > args.time_limit_s:
                     result.note = f"time limit, at step {fmt(result.last_step, 0)}"
+                    break
+                if time.monotonic() - launch > piece_s:
+                    result.paused = True
+                    result.note = (f"paused at step {fmt(result.last_step, 0)} after "
+                                   f"{spent + time.monotonic() - launch:.0f} s in "
+                                   f"{result.pieces} piece(s): the same command continues it")
                     break
                 time.sleep(args.poll_s)
             result.load1 = endtoend.load_average()
         finally:
+            stopped = time.time()  # the checkpoint written on the way out is not training
             stop(process)
+            write_json(os.path.join(savedir, PIECES), [*pieces, [launch_time, stopped]])
     if not result.solved and math.isfinite(result.best_step):
         result.note += f"; best at step {result.best_step:.0f}"
+    if not result.paused:
+        write_json(os.path.join(savedir, RESULT), dataclasses.asdict(result))
     return result
 
 
@@ -196,7 +263,8 @@ def report(args, extra, results, argv):
     rows = ["| seed | solved | wall s to target | steps to target | best mean | load1 | note |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
-        rows.append(f"| {r.seed} | {'yes' if r.solved else 'no'} | {fmt(r.wall_s)} | "
+        state = "yes" if r.solved else "paused" if r.paused else "no"
+        rows.append(f"| {r.seed} | {state} | {fmt(r.wall_s)} | "
                     f"{fmt(r.steps, 0)} | {fmt(r.best_mean)} | {fmt(r.load1, 2)} | {r.note} |")
     # A failure counts as infinitely slow: the median says whether most seeds solve.
     times = [r.wall_s if r.solved else math.inf for r in results]
@@ -208,12 +276,18 @@ def report(args, extra, results, argv):
     median = statistics.median(times)
     median_text = f"{median:.1f} s" if math.isfinite(median) else "not solved"
     solved = sum(r.solved for r in results)
+    waiting = [seed for seed in map(int, args.seeds.split(",")) if seed not in
+               {r.seed for r in results}]
     lines = [f"## {args.variant} {args.env}: mean return >= {args.target:g} "
              f"within {args.time_limit_s:g} s",
              "",
              *rows,
              "",
-             f"Solved {solved}/{len(results)}; median {median_text}; worst {worst_text}.",
+             (f"Solved {solved}/{len(results)}; median {median_text}; worst {worst_text}."
+              if not results[-1].paused else
+              f"Not finished: seed {results[-1].seed} paused after {results[-1].pieces} "
+              f"piece(s)" + (f", seeds {', '.join(map(str, waiting))} not started"
+                             if waiting else "") + "; the same command continues."),
              "",
              "Command: `" + " ".join(shlex.quote(a) for a in ["python", "-m", "bench.solve", *argv])
              + "`",
@@ -226,7 +300,10 @@ def report(args, extra, results, argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ours, extra = split_argv(argv)
-    args = make_parser().parse_args(ours)
+    parser = make_parser()
+    args = parser.parse_args(ours)
+    if args.piece_s is not None and not args.workdir:
+        parser.error("--piece_s needs --workdir: the next piece resumes the run kept there")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="beast-solve-") as tmp:
         workdir = args.workdir or tmp
@@ -239,11 +316,15 @@ def main(argv=None):
                                     f"not solved ({result.note}); best mean "
                                     f"{fmt(result.best_mean)}"))
             results.append(result)
+            if result.paused:  # one piece per invocation: the rest wait for the next ones
+                break
     text = report(args, extra, results, argv)
     print(text)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
+    if results[-1].paused:
+        return 3
     return 0 if all(r.solved for r in results) else 1
 
 
