@@ -194,14 +194,19 @@ class RunResult:
         return record
 
 
-def write_launch_record(path, record):
-    """launch.json, atomically: a report may read it while the grid runs."""
-    tmp = os.path.join(path, "launch.json.tmp")
+def write_json(path, record):
+    """A JSON file, atomically: a reader (a report while the grid runs) never sees half of it.
+    NaN is written as NaN, which Python's json reads back."""
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        # steps is nan until the first row: Python's json writes NaN and reads it back.
         json.dump(record, f, indent=2, sort_keys=True, default=str)
         f.write("\n")
-    os.replace(tmp, os.path.join(path, "launch.json"))
+    os.replace(tmp, path)
+
+
+def write_launch_record(path, record):
+    """launch.json (steps is NaN until the first row)."""
+    write_json(os.path.join(path, "launch.json"), record)
 
 
 def load_result(spec, savedir):

@@ -48,7 +48,7 @@ if REPO not in sys.path:  # `python -m bench.solve` from another directory
 from beast import flags as beast_flags  # noqa: E402
 
 from bench import endtoend  # noqa: E402
-from bench.launch import split_argv  # noqa: E402
+from bench.launch import split_argv, write_json  # noqa: E402
 
 
 def make_parser():
@@ -192,11 +192,6 @@ def read_json(path, default):
     except FileNotFoundError:
         return default
 
-
-def write_json(path, value):
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
 
 
 def run_seed(args, extra, seed, workdir):
