@@ -12,7 +12,7 @@ rate decays to zero over it: a user's `python -m monobeast --env CartPole-v1`
 is what is measured, and a run that ends before the target counts as a failure.
 Pass --total_steps to run longer (e.g. 10**12 for a constant learning rate).
 
-A run longer than one sitting allows (a GPU lent for minutes at a time) goes in pieces:
+A run longer than one sitting allows (a GPU booked for minutes at a time) goes in pieces:
 with --piece_s and a --workdir, each seed runs at most that long, then is stopped with its
 checkpoint and the command exits with 3; the same command again resumes it (the variants'
 own resume, same --xpid). Its wall time is the sum of the pieces' (each from its launch, so
