@@ -174,21 +174,12 @@ class Sampler:
         self.envs.close()
 
 
-def ignore_stop_signals():
-    """In an actor process: Ctrl-C, and the SIGTERM that timeout(1) or Slurm send, go to the
-    whole process group, and the learner decides when the actors stop. Ignored rather than
-    left to the learner's handler, which the fork copied: that one swallowed the SIGTERM of
-    Process.terminate() and turned a second signal into a KeyboardInterrupt traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
         error_count, restarts=0, stepping=None):
     """Actor process: takes free buffer indices, fills them, hands them on.
     restarts: how often the actors were started again (train_parallel): new seeds each time.
     stepping: the shared value the actor's Sampler writes for the watchdog."""
-    ignore_stop_signals()
+    training.leave_stop_signals_to_the_learner()
     training.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * restarts)
@@ -408,7 +399,7 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
                     state_buffers):
     """Actor process of a --deterministic run: round after round, waits for the round's
     version of the weights, copies it and fills the round's buffers."""
-    ignore_stop_signals()
+    training.leave_stop_signals_to_the_learner()
     training.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index)

@@ -845,10 +845,7 @@ def act(flags, schema, models, addresses, slots, free_reader, full_writer, error
     """The acting process's main thread: starts the actor pool, inference and the thread
     that fills the slots, then watches them until the learner asks it to stop, the learner
     is gone, or one of them fails (its message goes to the learner)."""
-    # Ctrl-C is the learner's to handle, and so is a SIGTERM that timeout(1) or Slurm send to
-    # the whole process group: the learner checkpoints, then stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    training.leave_stop_signals_to_the_learner()
     training.name_os_thread("acting")
     torch.set_num_threads(1)
     errors = training.ThreadErrors()

@@ -207,6 +207,16 @@ def install_signal_handlers():
     return stop
 
 
+def leave_stop_signals_to_the_learner():
+    """In a process forked from the learner (MonoBeast's actors, PolyBeast's acting process):
+    Ctrl-C, and the SIGTERM that timeout(1) or Slurm send, go to the whole process group, and
+    the learner checkpoints and then stops its children. Ignored rather than left to the
+    handler above, which the fork copied: that one swallowed Process.terminate() and turned a
+    second signal into a KeyboardInterrupt traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def select_device(flags):
     use_cuda = torch.cuda.is_available() and not flags.disable_cuda
     return torch.device("cuda" if use_cuda else "cpu")

@@ -268,7 +268,7 @@ def test_join_actors_kills_an_actor_stuck_on_a_dead_actors_lock():
     lock.acquire()  # held for ever, as by an actor killed while holding it
 
     def stuck():
-        monobeast.ignore_stop_signals()
+        training.leave_stop_signals_to_the_learner()
         lock.acquire()
 
     process = ctx.Process(target=stuck, daemon=True)
