@@ -12,10 +12,9 @@ Data path:
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
 The actor pool, the batcher and the inference threads run in a process of their own, forked
-from the learner's (ActingProcess; with --no-acting_process they are threads of the learner's
-process: ActingThreads). Its batches reach the learner through shared memory, and the
-learner writes the acting model's weights there; the process infers on the CPU, also for
-a CUDA learner (as MonoBeast's actor processes do).
+from the learner's (ActingProcess; with a CUDA learner, or --no-acting_process, they are
+threads of the learner's process: ActingThreads). Its batches reach the learner through
+shared memory, and the learner writes the acting model's weights there.
 
 Everything around the actors (flags, run directory, learner, logs, checkpoints,
 resume, evaluation, --mode test) is the run skeleton MonoBeast shares, in
@@ -94,10 +93,9 @@ def make_parser():
                         default=None,
                         help="Run the actor threads and inference in a process of their own, "
                              "so that inference waits on neither the learner's GIL nor its "
-                             "memory allocator. Its inference runs on the CPU (a fork of a "
-                             "CUDA learner cannot use CUDA), so with a CUDA learner "
-                             "--no-acting_process keeps inference on the GPU, in the "
-                             "learner's process. Default: on.")
+                             "memory allocator (default: with the learner on the CPU; a fork "
+                             "of a CUDA learner could not use CUDA, so there they stay in its "
+                             "process).")
     parser.add_argument("--inference_batch_size", type=int, default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
@@ -515,7 +513,6 @@ class InferenceModels:
 
     def __init__(self, replicas, shared=False):
         self.replicas = list(replicas)
-        self.device = next(self.replicas[0].parameters()).device
         self.shared = shared
         if shared:
             for replica in self.replicas:
@@ -535,8 +532,6 @@ class InferenceModels:
         self.abandoned.set()
 
     def load_state_dict(self, state_dict):
-        # From a CUDA learner to CPU replicas: one copy to the CPU, not one per replica.
-        state_dict = {k: v.to(self.device) for k, v in state_dict.items()}
         for replica, lock in zip(self.replicas, self.locks):
             if not self._acquire(lock):
                 continue
@@ -557,21 +552,24 @@ class InferenceModels:
             return self.replicas[index](inputs, core_state)
 
 
-def uses_acting_process(flags):
-    """--acting_process: on unless --no-acting_process."""
-    return flags.acting_process is not False
+def uses_acting_process(flags, device):
+    """--acting_process, or by default whether the learner is on the CPU."""
+    if flags.acting_process is None:
+        return device.type == "cpu"
+    return flags.acting_process
 
 
 def acting_model(flags, info, model):
-    """One replica of the model per inference thread: on the learner's device for
-    inference threads in its process; in shared memory on the CPU for an acting process,
-    whatever the learner's device (the learner copies its weights in after each step)."""
+    """One replica of the model per inference thread, on the learner's device."""
     device = next(model.parameters()).device
-    in_process = uses_acting_process(flags)
-    replica_device = torch.device("cpu") if in_process else device
-    return InferenceModels((training.build_model(flags, info).to(replica_device)
+    if flags.acting_process and device.type != "cpu":
+        raise training.UserError(
+            f"--acting_process needs the learner on the CPU (it is on {device}): the process "
+            "is forked, and CUDA does not survive a fork. Drop --acting_process, or add "
+            "--disable_cuda.")
+    return InferenceModels((training.build_model(flags, info).to(device)
                             for _ in range(flags.num_inference_threads)),
-                           shared=in_process)
+                           shared=uses_acting_process(flags, device))
 
 
 def to_torch(array, device):
@@ -785,27 +783,16 @@ class ActingProcess:
         return self.env_errors_before + self.error_count.value
 
     def batches(self, device):
-        """(batch, initial_agent_state) for a learner thread, from the slots. A CPU learner
-        learns on the slot itself, which goes back once it asks for the next batch; a CUDA
-        learner gets a copy on its device, and the slot goes back at once."""
+        """(batch, initial_agent_state) for a learner thread, from the slots (on the CPU:
+        the learner is). A slot goes back once the learner asks for the next batch."""
         while True:
             index = self._next_full()
             if index is None:
                 return
             batch, state = self.slots[index]
-            if device.type != "cpu":
-                # Not non_blocking: the slot must be read before it goes back.
-                batch = {k: v.to(device) for k, v in batch.items()}
-                state = tuple(s.to(device) for s in state)
-                self._free(index)
-                yield batch, state
-                continue
             yield batch, state
-            self._free(index)
-
-    def _free(self, index):
-        with self.write_lock:
-            self.free_writer.send(index)
+            with self.write_lock:
+                self.free_writer.send(index)
 
     def _next_full(self):
         """The index of a filled slot; None once the process stops."""
@@ -938,7 +925,7 @@ def train_loop(run, models, servers):
             print(f"warning: the env servers at {', '.join(remote)} are reached over the "
                   "network; the traffic is neither authenticated nor encrypted (see --tls_ca).",
                   file=sys.stderr)
-    kind = ActingProcess if uses_acting_process(flags) else ActingThreads
+    kind = ActingProcess if uses_acting_process(flags, run.device) else ActingThreads
     policy, env_errors = restarts.RestartPolicy(), 0
     while True:
         acting = kind(run, models, addresses, env_errors)

@@ -212,52 +212,11 @@ def test_inference_models_abandon_the_locks_of_a_dead_process():
     assert float(models.replicas[0].first.detach()[0]) == 7
 
 
-@pytest.mark.parametrize("acting_process", [None, True, False])
-def test_acting_model_of_a_learner_on_another_device(monkeypatch, acting_process):
-    """A learner off the CPU ("meta" stands in for CUDA): the acting process infers on CPU
-    replicas in shared memory, which the learner's weights reach; --no-acting_process keeps
-    the replicas on the learner's device."""
-    monkeypatch.setattr(training, "build_model", lambda flags, info: torch.nn.Linear(2, 2))
-    flags = argparse.Namespace(acting_process=acting_process, num_inference_threads=2)
-    models = polybeast.acting_model(flags, {}, torch.nn.Linear(2, 2, device="meta"))
-    params = [p for replica in models.replicas for p in replica.parameters()]
-    if acting_process is False:
-        assert {p.device.type for p in params} == {"meta"}
-        return
-    assert {p.device.type for p in params} == {"cpu"} and all(p.is_shared() for p in params)
-    source = torch.nn.Linear(2, 2)
-    with torch.no_grad():
-        source.weight.fill_(3)
-    models.load_state_dict(source.state_dict())
-    assert all(float(r.weight.detach()[0, 0]) == 3 for r in models.replicas)
-
-
-def test_a_learner_off_the_cpu_gets_a_copy_of_the_slot_which_goes_back_at_once():
-    """A CPU learner learns on the shared slot itself, which goes back when it asks for the
-    next batch; a learner on another device gets the batch on that device, and the slot goes
-    back before its step, so the acting process can fill it meanwhile."""
-    acting = polybeast.ActingProcess.__new__(polybeast.ActingProcess)
-    slot = ({"frame": torch.arange(6.0).reshape(3, 2)}, (torch.ones(1, 2, 4),))
-    acting.slots = [slot]
-    acting.full_reader, full_writer = polybeast.FORK.Pipe(duplex=False)
-    free_reader, acting.free_writer = polybeast.FORK.Pipe(duplex=False)
-    acting.read_lock, acting.write_lock = threading.Lock(), threading.Lock()
-    acting.stopping = polybeast.FORK.RawValue("b", 0)
-
-    full_writer.send(0)
-    batch, state = next(acting.batches(torch.device("meta")))
-    assert batch["frame"].device.type == "meta" and state[0].device.type == "meta"
-    assert batch["frame"].shape == (3, 2) and state[0].shape == (1, 2, 4)
-    assert free_reader.poll(1) and free_reader.recv() == 0, "the slot did not go back"
-
-    full_writer.send(0)
-    on_cpu = acting.batches(torch.device("cpu"))
-    batch, _ = next(on_cpu)
-    assert batch["frame"] is slot[0]["frame"]
-    assert not free_reader.poll(0.2), "the slot went back while the learner used it"
-    acting.stopping.value = 1
-    assert next(on_cpu, None) is None
-    assert free_reader.poll(1) and free_reader.recv() == 0
+def test_acting_process_refuses_a_cuda_learner():
+    flags = argparse.Namespace(acting_process=True, num_inference_threads=1)
+    model = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(training.UserError, match="--acting_process needs the learner on the CPU"):
+        polybeast.acting_model(flags, {}, model)
 
 
 @pytest.mark.timeout(600)
