@@ -11,10 +11,12 @@ Data path:
     --batch_size rollouts concatenated along dim 1--> learner threads
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
-The actor pool, the batcher and the inference threads run in a process of their own, forked
-from the learner's (ActingProcess; with a CUDA learner, or --no-acting_process, they are
-threads of the learner's process: ActingThreads). Its batches reach the learner through
-shared memory, and the learner writes the acting model's weights there.
+The actor pool, the batcher and the inference threads run in a process of their own
+(ActingProcess; with --no-acting_process they are threads of the learner's process:
+ActingThreads), forked from a CPU learner, spawned beside a CUDA one (a fork cannot use
+CUDA), where inference stays on the GPU. Its batches reach the learner through shared
+memory, and the learner writes the acting model's weights into the acting process's replicas
+(shared memory, or GPU memory shared through CUDA IPC).
 
 Everything around the actors (flags, run directory, learner, logs, checkpoints,
 resume, evaluation, --mode test) is the run skeleton MonoBeast shares, in
@@ -24,6 +26,7 @@ Run `python -m polybeast --help` for the flags.
 
 import argparse
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -71,8 +74,12 @@ DEFAULT_NUM_ACTORS = 4
 # --local_transport -> the scheme of its socket addresses (beast/flags.py SOCKET_SCHEMES).
 TRANSPORT_SCHEMES = {"raw": "raw:", "grpc": "unix:"}
 # The acting process is forked, as MonoBeast's actors are: it starts at once and inherits
-# the acting model's shared memory. (No gRPC runs in this process before it.)
+# the acting model's shared memory. (No gRPC runs in this process before it.) Beside a CUDA
+# learner it is spawned: a forked child cannot use CUDA, and a spawned one receives the
+# replicas' GPU memory through CUDA IPC (torch.multiprocessing), so inference stays there.
 FORK = mp.get_context("fork")
+SPAWN = mp.get_context("spawn")
+ACTING_START_METHODS = {"fork": FORK, "spawn": SPAWN}
 
 
 def make_parser():
@@ -91,11 +98,15 @@ def make_parser():
                              "against 1,135-1,204 with 2, side by side.")
     parser.add_argument("--acting_process", action=argparse.BooleanOptionalAction,
                         default=None,
-                        help="Run the actor threads and inference in a process of their own, "
-                             "so that inference waits on neither the learner's GIL nor its "
-                             "memory allocator (default: with the learner on the CPU; a fork "
-                             "of a CUDA learner could not use CUDA, so there they stay in its "
-                             "process).")
+                        help="Run the actor threads and inference in a process of their own "
+                             "(default), so that inference waits on neither the learner's GIL "
+                             "nor its memory allocator; with a CUDA learner it infers on the "
+                             "GPU. --no-acting_process: threads of the learner's process.")
+    parser.add_argument("--acting_start_method", choices=sorted(ACTING_START_METHODS),
+                        default=None,
+                        help="How the acting process starts: fork (the default with the "
+                             "learner on the CPU: it starts at once) or spawn (the default with "
+                             "a CUDA learner, whose fork could not use CUDA).")
     parser.add_argument("--inference_batch_size", type=int, default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
@@ -507,24 +518,36 @@ class InferenceModels:
     The learner calls load_state_dict after every step. A forward pass holds
     its replica's lock, so it never sees weights half-way through a copy, and
     the copy waits at most one small forward pass. One replica per thread
-    keeps the inference threads from waiting on each other. shared: the replicas
-    in shared memory and the locks across processes, for an ActingProcess.
+    keeps the inference threads from waiting on each other. context: the multiprocessing
+    context of an ActingProcess, whose replicas are then in shared memory (or shared GPU
+    memory) and whose locks work across processes.
     """
 
-    def __init__(self, replicas, shared=False):
+    def __init__(self, replicas, context=None):
         self.replicas = list(replicas)
-        self.shared = shared
-        if shared:
-            for replica in self.replicas:
+        self.context = context  # of the acting process; None: inference threads in this one
+        for replica in self.replicas:
+            # GPU memory needs nothing: a spawned child gets it through CUDA IPC as it is.
+            if context is not None and next(replica.parameters()).device.type == "cpu":
                 replica.share_memory()
         self.abandoned = threading.Event()
         self.renew_locks()
 
     def renew_locks(self):
         """Fresh locks: after an acting process died, perhaps holding one."""
-        make_lock = FORK.Lock if self.shared else threading.Lock
+        make_lock = threading.Lock if self.context is None else self.context.Lock
         self.locks = [make_lock() for _ in self.replicas]
         self.abandoned.clear()
+
+    def __getstate__(self):
+        """What a spawned acting process receives: the replicas (shared) and the locks; the
+        learner's own bookkeeping stays here."""
+        state = dict(self.__dict__)
+        del state["abandoned"], state["context"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, abandoned=threading.Event(), context=None)
 
     def abandon(self):
         """The process that used the locks is gone: writers stop waiting on them (its
@@ -552,24 +575,30 @@ class InferenceModels:
             return self.replicas[index](inputs, core_state)
 
 
-def uses_acting_process(flags, device):
-    """--acting_process, or by default whether the learner is on the CPU."""
-    if flags.acting_process is None:
-        return device.type == "cpu"
-    return flags.acting_process
+def uses_acting_process(flags):
+    """--acting_process: on unless --no-acting_process."""
+    return flags.acting_process is not False
+
+
+def acting_context(flags, device):
+    """The multiprocessing context that starts the acting process (--acting_start_method)."""
+    if flags.acting_start_method is not None:
+        return ACTING_START_METHODS[flags.acting_start_method]
+    return FORK if device.type == "cpu" else SPAWN
 
 
 def acting_model(flags, info, model):
     """One replica of the model per inference thread, on the learner's device."""
     device = next(model.parameters()).device
-    if flags.acting_process and device.type != "cpu":
+    if uses_acting_process(flags) and device.type != "cpu" and \
+            acting_context(flags, device) is FORK:
         raise training.UserError(
-            f"--acting_process needs the learner on the CPU (it is on {device}): the process "
-            "is forked, and CUDA does not survive a fork. Drop --acting_process, or add "
+            f"--acting_start_method fork with the learner on {device}: a forked process "
+            "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
+    context = acting_context(flags, device) if uses_acting_process(flags) else None
     return InferenceModels((training.build_model(flags, info).to(device)
-                            for _ in range(flags.num_inference_threads)),
-                           shared=uses_acting_process(flags, device))
+                            for _ in range(flags.num_inference_threads)), context=context)
 
 
 def to_torch(array, device):
@@ -754,15 +783,16 @@ class ActingProcess:
 
     def __init__(self, run, models, addresses, env_errors_before=0):
         flags = run.flags
+        context = models.context
         self.slots = [create_slot(flags, run.schema, models)
                       for _ in range(flags.num_learner_threads)]
-        self.full_reader, full_writer = FORK.Pipe(duplex=False)
-        free_reader, self.free_writer = FORK.Pipe(duplex=False)
-        self.error_reader, error_writer = FORK.Pipe(duplex=False)
-        self.error_count = FORK.RawValue("q", 0)  # one writer
+        self.full_reader, full_writer = context.Pipe(duplex=False)
+        free_reader, self.free_writer = context.Pipe(duplex=False)
+        self.error_reader, error_writer = context.Pipe(duplex=False)
+        self.error_count = context.RawValue("q", 0)  # one writer
         # A flag without a lock (one writer each way): the process may die holding a
         # multiprocessing.Event's lock, and then setting it would wait for ever.
-        self.stopping = FORK.RawValue("b", 0)
+        self.stopping = context.RawValue("b", 0)
         # The learner threads share this end of the pipes.
         self.read_lock, self.write_lock = threading.Lock(), threading.Lock()
         # Kept open here too, so that a dead process leaves no end-of-file to read, only
@@ -773,26 +803,37 @@ class ActingProcess:
         self.threads = []  # check() watches the process
         self.models, self.env_errors_before = models, env_errors_before
         self.started = time.monotonic()
-        self.process = FORK.Process(
+        self.process = context.Process(
             target=act, name="acting", daemon=True,
             args=(flags, run.schema, models, addresses, self.slots, free_reader, full_writer,
-                  error_writer, self.error_count, self.stopping, os.getpid()))
+                  error_writer, self.error_count, self.stopping, os.getpid(), run.device))
         self.process.start()
 
     def env_errors(self):
         return self.env_errors_before + self.error_count.value
 
     def batches(self, device):
-        """(batch, initial_agent_state) for a learner thread, from the slots (on the CPU:
-        the learner is). A slot goes back once the learner asks for the next batch."""
+        """(batch, initial_agent_state) for a learner thread, from the slots. A CPU learner
+        learns on the slot itself, which goes back once it asks for the next batch; a CUDA
+        learner gets a copy on its device, and the slot goes back at once."""
         while True:
             index = self._next_full()
             if index is None:
                 return
             batch, state = self.slots[index]
+            if device.type != "cpu":
+                # Not non_blocking: the slot must have been read before it goes back.
+                batch = {k: v.to(device) for k, v in batch.items()}
+                state = tuple(s.to(device) for s in state)
+                self._free(index)
+                yield batch, state
+                continue
             yield batch, state
-            with self.write_lock:
-                self.free_writer.send(index)
+            self._free(index)
+
+    def _free(self, index):
+        with self.write_lock:
+            self.free_writer.send(index)
 
     def _next_full(self):
         """The index of a filled slot; None once the process stops."""
@@ -835,22 +876,24 @@ class ActingDied(RuntimeError):
 
 def create_slot(flags, schema, models):
     """Shared memory for one learner batch: every rollout field [T+1, B, ...] and the
-    agent state before step 0 of each rollout [layers, B, hidden]."""
-    state = tuple(s.share_memory_() for s in models.replicas[0].initial_state(flags.batch_size))
+    agent state before step 0 of each rollout [layers, B, hidden]. On the CPU, whatever the
+    learner's device: the acting process writes it from the actor pool's arrays."""
+    state = tuple(s.cpu().share_memory_()
+                  for s in models.replicas[0].initial_state(flags.batch_size))
     return schema.shared_zeros((flags.unroll_length + 1, flags.batch_size)), state
 
 
 def act(flags, schema, models, addresses, slots, free_reader, full_writer, error_writer,
-        error_count, stopping, parent):
-    """The acting process's main thread: starts the actor pool, inference and the thread
-    that fills the slots, then watches them until the learner asks it to stop, the learner
-    is gone, or one of them fails (its message goes to the learner)."""
+        error_count, stopping, parent, device):
+    """The acting process's main thread: starts the actor pool, inference (on device, the
+    learner's) and the thread that fills the slots, then watches them until the learner asks
+    it to stop, the learner is gone, or one of them fails (its message goes to the learner)."""
     training.leave_stop_signals_to_the_learner()
     training.name_os_thread("acting")
     torch.set_num_threads(1)
     errors = training.ThreadErrors()
     learner_queue, queues, threads, actor_pool = start_acting(
-        errors, flags, schema, models, addresses, torch.device("cpu"))
+        errors, flags, schema, models, addresses, device)
     threads.append(errors.thread("fill-slots", fill_slots, learner_queue, slots, free_reader,
                                  full_writer, stopping))
     threads[-1].start()
@@ -865,6 +908,11 @@ def act(flags, schema, models, addresses, slots, free_reader, full_writer, error
     finally:
         stopping.value = 1  # fill-slots stops waiting for a free slot
         close_and_join(queues, threads)
+        # A spawned process's replicas are the learner's GPU memory (CUDA IPC): let go of
+        # them before exiting (a process ends without freeing), or the learner warns at its
+        # exit that they were never released.
+        models.replicas.clear()
+        gc.collect()
 
 
 def _failure(errors, threads):
@@ -925,7 +973,7 @@ def train_loop(run, models, servers):
             print(f"warning: the env servers at {', '.join(remote)} are reached over the "
                   "network; the traffic is neither authenticated nor encrypted (see --tls_ca).",
                   file=sys.stderr)
-    kind = ActingProcess if uses_acting_process(flags, run.device) else ActingThreads
+    kind = ActingProcess if uses_acting_process(flags) else ActingThreads
     policy, env_errors = restarts.RestartPolicy(), 0
     while True:
         acting = kind(run, models, addresses, env_errors)

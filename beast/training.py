@@ -208,7 +208,7 @@ def install_signal_handlers():
 
 
 def leave_stop_signals_to_the_learner():
-    """In a process forked from the learner (MonoBeast's actors, PolyBeast's acting process):
+    """In a child of the learner (MonoBeast's actors, PolyBeast's acting process, forked or spawned):
     Ctrl-C, and the SIGTERM that timeout(1) or Slurm send, go to the whole process group, and
     the learner checkpoints and then stops its children. Ignored rather than left to the
     handler above, which the fork copied: that one swallowed Process.terminate() and turned a
@@ -440,7 +440,7 @@ def reuse_freed_memory():
     --malloc_release turns it off there too). The price: an inference thread in the same process
     waits on the arena's lock while the learner holds it, which with the GIL left a tenth
     of 2 cores idle on Pong (README, "That idle tenth on Pong, looked into"); PolyBeast's
-    acting process (a CPU learner) takes inference out of this process for that reason. Linux with
+    acting process takes inference out of this process for that reason. Linux with
     glibc only; elsewhere, or if mallopt refuses, nothing changes."""
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -9,6 +9,7 @@ test_actor_pool.py; here we check what the learner makes of them."""
 import argparse
 import contextlib
 import glob
+import json
 import math
 import os
 import pathlib
@@ -192,7 +193,7 @@ def test_inference_models_abandon_the_locks_of_a_dead_process():
     """A forked acting process that dies holding a replica's lock (SIGKILL mid forward pass)
     must not stall the learner: its weight copy gives up once the locks are abandoned, and
     fresh locks work again."""
-    models = polybeast.InferenceModels([TwoHalves()], shared=True)
+    models = polybeast.InferenceModels([TwoHalves()], context=polybeast.FORK)
     holder = polybeast.FORK.Process(target=lambda: models.locks[0].acquire() and os._exit(0))
     holder.start()
     holder.join(WAIT_S)
@@ -212,11 +213,57 @@ def test_inference_models_abandon_the_locks_of_a_dead_process():
     assert float(models.replicas[0].first.detach()[0]) == 7
 
 
-def test_acting_process_refuses_a_cuda_learner():
-    flags = argparse.Namespace(acting_process=True, num_inference_threads=1)
+@pytest.mark.parametrize("start_method, context", [(None, "spawn"), ("spawn", "spawn"),
+                                                    ("fork", None)])
+def test_the_acting_process_of_a_learner_off_the_cpu_is_spawned(monkeypatch, start_method,
+                                                                context):
+    """A CUDA learner ("meta" stands in for it) spawns its acting process, whose replicas
+    stay on the learner's device (a spawned child gets them through CUDA IPC); a fork could
+    not use CUDA, so asking for one is refused with what to change."""
+    monkeypatch.setattr(training, "build_model", lambda flags, info: torch.nn.Linear(2, 2))
+    flags = argparse.Namespace(acting_process=True, acting_start_method=start_method,
+                               num_inference_threads=2)
     model = torch.nn.Linear(2, 2, device="meta")
-    with pytest.raises(training.UserError, match="--acting_process needs the learner on the CPU"):
-        polybeast.acting_model(flags, {}, model)
+    if context is None:
+        with pytest.raises(training.UserError, match="--acting_start_method fork with the "
+                                                     "learner on meta: a forked process"):
+            polybeast.acting_model(flags, {}, model)
+        return
+    models = polybeast.acting_model(flags, {}, model)
+    assert models.context is polybeast.SPAWN
+    assert {p.device.type for r in models.replicas for p in r.parameters()} == {"meta"}
+    flags.acting_process = None  # the default
+    assert polybeast.acting_model(flags, {}, model).context is polybeast.SPAWN
+    flags.acting_process = False  # inference threads in the learner's process
+    assert polybeast.acting_model(flags, {}, model).context is None
+
+
+def test_a_learner_off_the_cpu_gets_a_copy_of_the_slot_which_goes_back_at_once():
+    """A CPU learner learns on the shared slot itself, which goes back when it asks for the
+    next batch; a learner on another device gets the batch on that device, and the slot goes
+    back before its step, so that the acting process can fill it meanwhile."""
+    acting = polybeast.ActingProcess.__new__(polybeast.ActingProcess)
+    slot = ({"frame": torch.arange(6.0).reshape(3, 2)}, (torch.ones(1, 2, 4),))
+    acting.slots = [slot]
+    acting.full_reader, full_writer = polybeast.FORK.Pipe(duplex=False)
+    free_reader, acting.free_writer = polybeast.FORK.Pipe(duplex=False)
+    acting.read_lock, acting.write_lock = threading.Lock(), threading.Lock()
+    acting.stopping = polybeast.FORK.RawValue("b", 0)
+
+    full_writer.send(0)
+    batch, state = next(acting.batches(torch.device("meta")))
+    assert batch["frame"].device.type == "meta" and state[0].device.type == "meta"
+    assert batch["frame"].shape == (3, 2) and state[0].shape == (1, 2, 4)
+    assert free_reader.poll(1) and free_reader.recv() == 0, "the slot did not go back"
+
+    full_writer.send(0)
+    on_cpu = acting.batches(torch.device("cpu"))
+    batch, _ = next(on_cpu)
+    assert batch["frame"] is slot[0]["frame"]
+    assert not free_reader.poll(0.2), "the slot went back while the learner used it"
+    acting.stopping.value = 1
+    assert next(on_cpu, None) is None
+    assert free_reader.poll(1) and free_reader.recv() == 0
 
 
 @pytest.mark.timeout(600)
@@ -371,13 +418,16 @@ def acting_pid(learner_pid):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_acting_process_is_started_again(tmp_path):
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_killed_acting_process_is_started_again(tmp_path, start_method):
     """SIGKILL to the acting process (the actor threads and inference; what the OOM killer
     might pick): a warning, a new acting process with the learned weights, and the steps go
     on; twice, so that one of the kills is likely to land while it holds a lock of the acting
-    model (the one-lock case is test_inference_models_abandon_the_locks_of_a_dead_process)."""
+    model (the one-lock case is test_inference_models_abandon_the_locks_of_a_dead_process).
+    spawn: as a CUDA learner starts it (here on the CPU), the model and the slots pickled
+    across, the locks named semaphores."""
     run_dir = tmp_path / "runs" / "run"
-    process = start_training(tmp_path)
+    process = start_training(tmp_path, "--acting_start_method", start_method)
     log = lambda: output(tmp_path, "learner")  # noqa: E731
     try:
         killed = []
@@ -439,8 +489,36 @@ def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_spawned_acting_process_acts_with_the_learners_weights(tmp_path):
+    """--acting_start_method spawn (a CUDA learner's default, here on the CPU): the spawned
+    process acts with the weights the learner writes after each step, so the policy lag stays
+    a few updates (a copy that never reached it would lag by every update), and CartPole
+    learns."""
+    run_dir = tmp_path / "runs" / "run"
+    process = start_training(tmp_path, "--acting_start_method", "spawn")
+    try:
+        assert wait_for(lambda: acting_pid(process.pid), "the acting process", process,
+                        lambda: output(tmp_path, "learner"))
+        used = json.loads((run_dir / "flags.json").read_text())
+        steps_per_update = used["batch_size"] * used["unroll_length"]
+        wait_for(lambda: last_step(run_dir) >= 40 * steps_per_update and any(
+                     float(r["mean_episode_return"] or 0) >= 100 for r in logs(run_dir)),
+                 "40 updates and a mean return of 100", process,
+                 lambda: output(tmp_path, "learner"))
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        stop_group(process, signal.SIGKILL)
+    assert process.returncode == 0, output(tmp_path, "learner")
+    # Weights that never reached it would lag by more than 20 updates in the second half.
+    rows = logs(run_dir)
+    assert max(float(r["policy_lag"]) for r in rows[len(rows) // 2:]) < 10, rows[-1]
+    assert "Traceback" not in output(tmp_path, "learner")
+
+
+@pytest.mark.timeout(300)
 def test_acting_threads_in_the_learners_process(tmp_path):
-    """--no-acting_process (what a CUDA learner gets): the actor threads and inference in the
+    """--no-acting_process: the actor threads and inference in the
     learner's process, as before the acting process; it trains and makes no such process."""
     process = start_training(tmp_path, "--no-acting_process")
     try:
