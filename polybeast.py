@@ -741,8 +741,8 @@ def close_and_join(queues, threads):
 
 
 class ActingThreads:
-    """The actor pool and inference as threads of the learner's process (a CUDA learner,
-    or --no-acting_process). Their errors are the run's (run.errors); nothing can kill
+    """The actor pool and inference as threads of the learner's process
+    (--no-acting_process). Their errors are the run's (run.errors); nothing can kill
     them alone, so they are never started again (env_errors_before is for the interface)."""
 
     def __init__(self, run, models, addresses, env_errors_before=0):
@@ -767,8 +767,8 @@ class ActingThreads:
 
 
 class ActingProcess:
-    """The actor pool and inference in a process of their own: the default with the
-    learner on the CPU.
+    """The actor pool and inference in a process of their own (the default): forked from a
+    CPU learner, spawned beside a CUDA one, where it infers on the GPU (acting_context).
 
     In the learner's process, inference waited on the learner thread's locks, the GIL
     and (on Atari) the one malloc arena the learner keeps (training.reuse_freed_memory),
