@@ -590,13 +590,12 @@ def acting_context(flags, device):
 def acting_model(flags, info, model):
     """One replica of the model per inference thread, on the learner's device."""
     device = next(model.parameters()).device
-    if uses_acting_process(flags) and device.type != "cpu" and \
-            acting_context(flags, device) is FORK:
+    context = acting_context(flags, device) if uses_acting_process(flags) else None
+    if context is FORK and device.type != "cpu":
         raise training.UserError(
             f"--acting_start_method fork with the learner on {device}: a forked process "
             "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
-    context = acting_context(flags, device) if uses_acting_process(flags) else None
     return InferenceModels((training.build_model(flags, info).to(device)
                             for _ in range(flags.num_inference_threads)), context=context)
 
