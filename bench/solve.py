@@ -193,7 +193,6 @@ def read_json(path, default):
         return default
 
 
-
 def run_seed(args, extra, seed, workdir):
     """Launches one run (or its next piece) and watches it until it solves, fails, ends or
     its piece is over."""
