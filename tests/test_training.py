@@ -260,8 +260,7 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_request(monkeypatch):
 
 
 # A learner step's pattern: a thread allocates and frees large blocks (activations and
-# gradients) every step. Prints the page faults of steps 4 to 8: the heap takes a step or
-# two to settle (a block carved from a new place once more) before it is reused as it is.
+# gradients) every step. Prints the page faults of each of 12 steps.
 _FAULTS_SCRIPT = """
 import resource, sys, threading, torch
 from beast import training
@@ -269,7 +268,7 @@ if sys.argv[1] == "reuse":
     training.reuse_freed_memory()
 faults = []
 def steps():
-    for i in range(8):
+    for i in range(12):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         blocks = [torch.ones(12 << 20) for _ in range(4)]  # 4 x 48 MB, written
         del blocks
@@ -277,7 +276,7 @@ def steps():
 thread = threading.Thread(target=steps)
 thread.start()
 thread.join()
-print(sum(faults[3:]))
+print(*faults)
 """
 
 
@@ -285,13 +284,17 @@ print(sum(faults[3:]))
 def test_freed_memory_is_reused_not_faulted_in_again():
     """Without reuse_freed_memory every step faults its 192 MB in anew (about 49,000 pages of
     4 KiB, fewer where transparent huge pages back them); with it, once the heap has
-    settled, each step reuses the memory the last freed."""
+    settled, a step reuses the memory the last freed. How many steps the heap takes to
+    settle varies from run to run (usually two or three, now and then a block later), so
+    the test counts the steps of the second half that fault in almost nothing."""
     faults = {}
     for mode in ("default", "reuse"):
         out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout
-        faults[mode] = int(out.split()[-1])
-    assert faults["reuse"] * 20 < faults["default"], faults
+        faults[mode] = [int(word) for word in out.split()][6:]
+    step = sorted(faults["default"])[len(faults["default"]) // 2]  # what one step faults in
+    quiet = {mode: sum(f * 20 < step for f in faults[mode]) for mode in faults}
+    assert quiet["default"] == 0 and quiet["reuse"] >= 4, faults
 
 
 def test_only_atari_learners_keep_freed_memory_and_not_with_malloc_release():
