@@ -230,8 +230,9 @@ def test_time_limits_bootstrap(tmp_path, variant, envs_per_stream):
                "--reward_scale", "1.0"]  # the values below are in the reward's own units
     if variant == "polybeast":
         # One environment per stream: truncated travels in its own Step field; more: in
-        # the batch's dict.
-        command += ["--num_actors", "2", "--envs_per_stream", envs_per_stream]
+        # the batch's dict. (4 streams of one: a round trip per step, so more of them.)
+        command += ["--num_actors", "4" if envs_per_stream == "1" else "2",
+                    "--envs_per_stream", envs_per_stream]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     state = ckpt.load_checkpoint(tmp_path / "limit" / "model.tar")
