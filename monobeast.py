@@ -30,6 +30,7 @@ import torch
 from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
+from beast import models
 from beast import restarts
 from beast.restarts import when_orphaned  # act()'s `restarts` is a count
 from beast import rollout
@@ -137,8 +138,7 @@ class Sampler:
         self.state_before = self.agent_state
         # Before the forward pass: the learner may write newer weights during it.
         weights_step = training.weights_step(self.model)
-        with torch.no_grad():
-            output, self.agent_state = self.model(inputs, self.agent_state)
+        output, self.agent_state = models.act(self.model, inputs, self.agent_state)
         agent_output = {k: output[k][0].numpy() for k in self.model_keys}
         agent_output[rollout.POLICY_STEP.name] = np.full(self.num_envs, weights_step, np.int64)
         return agent_output
@@ -569,8 +569,9 @@ def check_flags(flags, info):
 
 
 def acting_model(flags, info, model):
-    """Actors read the weights from a CPU copy in shared memory."""
-    copy = training.build_model(flags, info)
+    """Actors read the weights from a CPU copy in shared memory (in --acting_precision)."""
+    copy = models.to_acting_precision(training.build_model(flags, info),
+                                      training.acting_precision(flags))
     copy.share_memory()
     return copy
 

@@ -44,6 +44,7 @@ import libpolybeast
 from beast import distributed
 from beast import restarts
 from beast import flags as beast_flags
+from beast import models as beast_models  # the name models is the InferenceModels below
 from beast import rollout
 from beast import tls
 from beast import training
@@ -571,8 +572,8 @@ class InferenceModels:
         return True
 
     def forward(self, index, inputs, core_state):
-        with self.locks[index], torch.no_grad():
-            return self.replicas[index](inputs, core_state)
+        with self.locks[index]:
+            return beast_models.act(self.replicas[index], inputs, core_state)
 
 
 def uses_acting_process(flags):
@@ -588,7 +589,8 @@ def acting_context(flags, device):
 
 
 def acting_model(flags, info, model):
-    """One replica of the model per inference thread, on the learner's device."""
+    """One replica of the model per inference thread, on the learner's device, in
+    --acting_precision."""
     device = next(model.parameters()).device
     context = acting_context(flags, device) if uses_acting_process(flags) else None
     if context is FORK and device.type != "cpu":
@@ -596,8 +598,11 @@ def acting_model(flags, info, model):
             f"--acting_start_method fork with the learner on {device}: a forked process "
             "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
-    return InferenceModels((training.build_model(flags, info).to(device)
-                            for _ in range(flags.num_inference_threads)), context=context)
+    precision = training.acting_precision(flags)
+    replicas = (beast_models.to_acting_precision(training.build_model(flags, info).to(device),
+                                                 precision)
+                for _ in range(flags.num_inference_threads))
+    return InferenceModels(replicas, context=context)
 
 
 def to_torch(array, device):

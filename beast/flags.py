@@ -309,6 +309,13 @@ def _add_learner_flags(group):
                        help="Train on the CPU even when a GPU is present.")
     group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                        help="Learner forward pass precision (V-trace and losses stay fp32).")
+    group.add_argument("--acting_precision", default="fp32", choices=["fp32", "bf16"],
+                       help="Precision of the acting model (MonoBeast's actors, PolyBeast's "
+                            "inference): bf16 keeps its weights in bfloat16, which halves "
+                            "what each small forward pass reads; outputs stay float32, the "
+                            "learner float32 (or --precision), and V-trace corrects for "
+                            "the difference like any other policy lag. Fast where the CPU "
+                            "has bf16 instructions (AMX, AVX-512 BF16), slow where not.")
     group.add_argument("--max_nonfinite_updates", type=int, default=10,
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")

@@ -513,3 +513,43 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
             continuous=continuous,
         )
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
+
+
+# Acting precision (--acting_precision). The learner's model stays float32; the acting
+# model (MonoBeast's shared copy, PolyBeast's inference replicas) may hold its weights in
+# bfloat16, which Learner._publish's load_state_dict converts on every copy.
+
+ACTING_PRECISIONS = ("fp32", "bf16")
+
+
+def to_acting_precision(model, precision):
+    """The acting model with its floating weights in `precision` (in place; returned).
+
+    bf16 halves the bytes a forward pass reads: at the batches acting runs (a few
+    environments), the Atari net's fc layer reads its 6.4 MB of weights for a handful of
+    rows, so its time is the memory traffic, not the arithmetic."""
+    if precision not in ACTING_PRECISIONS:
+        raise ValueError(f"unknown acting precision {precision!r}; choose one of "
+                         f"{', '.join(ACTING_PRECISIONS)}")
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    return model
+
+
+def act(model, inputs, core_state):
+    """The acting forward pass: no gradients, and float32 outputs and core state whatever
+    the model's precision, since the rollout buffers and messages hold float32 (and NumPy
+    has no bfloat16). A bf16 model runs under bf16 autocast, which casts its float32 inputs
+    (frames, rewards, the core state) as each layer takes them."""
+    with torch.no_grad():
+        if next(model.parameters()).dtype != torch.bfloat16:
+            return model(inputs, core_state)
+        device_type = next(model.parameters()).device.type
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            outputs, core_state = model(inputs, core_state)
+    return ({k: _as_float32(v) for k, v in outputs.items()},
+            tuple(_as_float32(s) for s in core_state))
+
+
+def _as_float32(tensor):
+    return tensor.float() if tensor.is_floating_point() else tensor

@@ -317,6 +317,11 @@ class Learner:
                         step=self.step)
 
 
+def acting_precision(flags):
+    """--acting_precision (fp32 for the flags of a run saved before it existed)."""
+    return getattr(flags, "acting_precision", None) or "fp32"
+
+
 def weights_step(acting_model):
     """The learner step of the acting model's weights (Learner._publish); 0 for a model that
     no learner writes to."""

@@ -55,6 +55,10 @@ def workloads():
           ["--deterministic"]),
         W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
+        W("mono-pong-acting-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 actors",
+          ["--acting_precision", "bf16"]),
+        W("mono-pong-all-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
+          ["--precision", "bf16", "--acting_precision", "bf16"]),
         # The learner handing freed memory back to the kernel, as it did before 2026-11-26
         # (README, "Memory a learner step frees").
         W("mono-pong-malloc-release", "monobeast", "ALE/Pong-v5",
@@ -73,6 +77,10 @@ def workloads():
           ["--local_transport", "grpc"]),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
+        W("poly-pong-acting-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 inference",
+          ["--acting_precision", "bf16"]),
+        W("poly-pong-all-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
+          ["--precision", "bf16", "--acting_precision", "bf16"]),
         W("poly-pong-malloc-release", "polybeast", "ALE/Pong-v5",
           "repo defaults, --malloc_release", ["--malloc_release"]),
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
@@ -86,9 +94,13 @@ def workloads():
         # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
         # MinAtar paper's one-conv net, which does a fraction of its work per frame.
         W("mono-minatar", "monobeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("mono-minatar-acting-bf16", "monobeast", "MinAtar/Breakout-v1",
+          "repo defaults (ResNet), bf16 actors", ["--acting_precision", "bf16"]),
         W("mono-minatar-small", "monobeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
+        W("poly-minatar-acting-bf16", "polybeast", "MinAtar/Breakout-v1",
+          "repo defaults (ResNet), bf16 inference", ["--acting_precision", "bf16"]),
         W("poly-minatar-threads", "polybeast", "MinAtar/Breakout-v1",
           "repo defaults (ResNet), --no-acting_process", ["--no-acting_process"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",

@@ -270,3 +270,50 @@ def test_frame_shape_mismatch_in_forward():
     model = make_model("mlp", VECTOR_SHAPE, use_lstm=False)
     with pytest.raises(ValueError, match=r"built for observations of shape \(7,\)"):
         model(make_inputs(2, 2, (8,)))
+
+
+@pytest.mark.parametrize("model_name,observation_shape", MODEL_SHAPES)
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_a_bf16_acting_model_acts_like_the_float32_one(model_name, observation_shape, use_lstm):
+    """--acting_precision bf16: the acting model holds bfloat16 weights, copied from the
+    learner's float32 ones as Learner._publish copies them, and hands back float32 outputs
+    and core state (the buffers' dtypes) that differ from the float32 model's by bf16's
+    rounding only."""
+    learner_model = make_model(model_name, observation_shape, use_lstm)
+    acting = models.to_acting_precision(make_model(model_name, observation_shape, use_lstm,
+                                                   seed=1), "bf16")
+    acting.load_state_dict(learner_model.state_dict())
+    for name, weight in learner_model.named_parameters():
+        copied = dict(acting.named_parameters())[name]
+        assert copied.dtype == torch.bfloat16
+        assert torch.equal(copied, weight.detach().bfloat16()), name
+    learner_model.eval()  # the argmax, so that actions can be compared
+    acting.eval()
+    inputs = make_inputs(1, 8, observation_shape)
+    state = learner_model.initial_state(8)
+    if use_lstm:  # a state from earlier steps, not zeros
+        state = tuple(torch.randn_like(s) for s in state)
+    expected, expected_state = models.act(learner_model, inputs, state)
+    outputs, new_state = models.act(acting, inputs, state)
+    assert set(outputs) == set(expected)
+    for key, value in outputs.items():
+        assert value.dtype == expected[key].dtype and value.shape == expected[key].shape, key
+    for ours, theirs in zip(new_state, expected_state):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, atol=0.03, rtol=0.03)
+    scale = expected["policy_logits"].abs().max() + expected["baseline"].abs().max()
+    for key in ("policy_logits", "baseline"):
+        error = (outputs[key] - expected[key]).abs().max()
+        assert error <= 0.03 * scale, (key, error, scale)
+    # Where float32's best action leads clearly, bf16 picks it too.
+    top2 = expected["policy_logits"][0].topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
+    assert torch.equal(outputs["action"][0][clear], expected["action"][0][clear])
+
+
+def test_a_float32_acting_model_is_left_as_it_is():
+    model = make_model("mlp", VECTOR_SHAPE, False)
+    assert models.to_acting_precision(model, "fp32") is model
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(ValueError, match="acting precision 'fp16'"):
+        models.to_acting_precision(model, "fp16")

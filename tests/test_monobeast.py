@@ -46,15 +46,17 @@ def read_logs(run_dir):
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", [[], ["--precision", "bf16"],
+                                       ["--acting_precision", "bf16"]],
+                         ids=["fp32", "bf16", "acting-bf16"])
 def test_learns_cartpole(tmp_path, precision):
     """The default vector-task settings, schedule included (1M steps, about 10 s on two
     idle cores), reach a mean return of 400 over 100 episodes, also with the learner's
-    forward pass in bf16. (20 seeds first passed 475 at 0.24M steps in the median, the
-    slowest at 0.33M: the bound leaves room for a slow seed, not for a run that does not
-    learn.)"""
+    forward pass in bf16, or the actors'. (20 seeds first passed 475 at 0.24M steps in the
+    median, the slowest at 0.33M: the bound leaves room for a slow seed, not for a run that
+    does not learn.)"""
     run_monobeast(tmp_path, "--env", "CartPole-v1", "--xpid", "cartpole",
-                  "--log_interval_steps", 10_000, "--precision", precision, timeout=600)
+                  "--log_interval_steps", 10_000, *precision, timeout=600)
     rows = read_logs(tmp_path / "cartpole")
     returns = [float(r["mean_episode_return"]) for r in rows]
     assert max(returns) >= 400, f"did not learn CartPole: {returns}"

@@ -489,13 +489,15 @@ def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_spawned_acting_process_acts_with_the_learners_weights(tmp_path):
-    """--acting_start_method spawn (a CUDA learner's default, here on the CPU): the spawned
-    process acts with the weights the learner writes after each step, so the policy lag stays
-    a few updates (a copy that never reached it would lag by every update), and CartPole
-    learns."""
+@pytest.mark.parametrize("flags", [["--acting_start_method", "spawn"],
+                                   ["--acting_precision", "bf16"]], ids=["spawn", "bf16"])
+def test_the_acting_process_acts_with_the_learners_weights(tmp_path, flags):
+    """The acting process acts with the weights the learner writes after each step, so the
+    policy lag stays a few updates (a copy that never reached it would lag by every update),
+    and CartPole learns: spawned (a CUDA learner's default, here on the CPU), and with its
+    replicas in bf16, into which the learner's float32 weights are converted."""
     run_dir = tmp_path / "runs" / "run"
-    process = start_training(tmp_path, "--acting_start_method", "spawn")
+    process = start_training(tmp_path, *flags)
     try:
         assert wait_for(lambda: acting_pid(process.pid), "the acting process", process,
                         lambda: output(tmp_path, "learner"))
