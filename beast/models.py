@@ -541,11 +541,11 @@ def act(model, inputs, core_state):
     the model's precision, since the rollout buffers and messages hold float32 (and NumPy
     has no bfloat16). A bf16 model runs under bf16 autocast, which casts its float32 inputs
     (frames, rewards, the core state) as each layer takes them."""
+    weight = next(model.parameters())
     with torch.no_grad():
-        if next(model.parameters()).dtype != torch.bfloat16:
+        if weight.dtype != torch.bfloat16:
             return model(inputs, core_state)
-        device_type = next(model.parameters()).device.type
-        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        with torch.autocast(device_type=weight.device.type, dtype=torch.bfloat16):
             outputs, core_state = model(inputs, core_state)
     return ({k: _as_float32(v) for k, v in outputs.items()},
             tuple(_as_float32(s) for s in core_state))
