@@ -44,6 +44,10 @@ NULL_MODEL_ARGS = ["--model", "mlp", "--hidden_size", "8"]
 
 def workloads():
     """The end-to-end configurations, in the order they run."""
+    return _pong_workloads() + _other_workloads()
+
+
+def _pong_workloads():
     W = endtoend.Workload
     tb_atari = ["--batch_size", "8", "--unroll_length", "80"]
     return [
@@ -83,6 +87,12 @@ def workloads():
           ["--precision", "bf16", "--acting_precision", "bf16"]),
         W("poly-pong-malloc-release", "polybeast", "ALE/Pong-v5",
           "repo defaults, --malloc_release", ["--malloc_release"]),
+    ]
+
+
+def _other_workloads():
+    W = endtoend.Workload
+    return [
         W("mono-cartpole", "monobeast", "CartPole-v1", "repo defaults", []),
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
