@@ -570,8 +570,7 @@ def check_flags(flags, info):
 
 def acting_model(flags, info, model):
     """Actors read the weights from a CPU copy in shared memory (in --acting_precision)."""
-    copy = models.to_acting_precision(training.build_model(flags, info),
-                                      training.acting_precision(flags))
+    copy = training.build_acting_model(flags, info)
     copy.share_memory()
     return copy
 

@@ -598,11 +598,8 @@ def acting_model(flags, info, model):
             f"--acting_start_method fork with the learner on {device}: a forked process "
             "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
-    precision = training.acting_precision(flags)
-    replicas = (beast_models.to_acting_precision(training.build_model(flags, info).to(device),
-                                                 precision)
-                for _ in range(flags.num_inference_threads))
-    return InferenceModels(replicas, context=context)
+    return InferenceModels((training.build_acting_model(flags, info, device)
+                            for _ in range(flags.num_inference_threads)), context=context)
 
 
 def to_torch(array, device):

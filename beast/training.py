@@ -317,9 +317,11 @@ class Learner:
                         step=self.step)
 
 
-def acting_precision(flags):
-    """--acting_precision (fp32 for the flags of a run saved before it existed)."""
-    return getattr(flags, "acting_precision", None) or "fp32"
+def build_acting_model(flags, info, device="cpu"):
+    """A fresh model for acting, on `device`, in --acting_precision (fp32 for the flags of
+    a run saved before it existed); the learner's weights reach it in Learner._publish."""
+    precision = getattr(flags, "acting_precision", None) or "fp32"
+    return models.to_acting_precision(build_model(flags, info).to(device), precision)
 
 
 def weights_step(acting_model):
