@@ -59,7 +59,8 @@ def resolve(workload):
                                     tuple(info["observation_shape"]), info["num_actions"])
     if workload.variant == "monobeast":
         # One forward pass per actor serves its envs_per_actor environments.
-        workload.inference_batch = flags.envs_per_actor if flags.num_actors > 0 else flags.batch_size
+        workload.inference_batch = (flags.envs_per_actor if flags.num_actors > 0
+                                    else flags.batch_size)
     else:
         # The dynamic batcher serves at most inference_batch_size actors at once;
         # the real batch is whatever is waiting, so this is the optimistic size.

@@ -367,7 +367,8 @@ def section_bound(report, ceil, resolved, cores):
     for w in resolved:
         b = bounds[w.key] = bound_of(ceil, w, cores)
         rows.append([w.variant, w.env, config_of(w),
-                     fmt(b["env"] * 1e6), f"{fmt(b['inference'] * 1e6)} (batch {w.inference_batch})",
+                     fmt(b["env"] * 1e6),
+                     f"{fmt(b['inference'] * 1e6)} (batch {w.inference_batch})",
                      fmt(b["learner"] * 1e6), fmt(b["cost"] * 1e6), fmt(b["sps"])])
     report.section(
         "2. Compute bound",
@@ -375,8 +376,9 @@ def section_bound(report, ceil, resolved, cores):
                "core-us per step", f"bound SPS ({cores} cores)"], rows),
         "Cost of one env step in core-microseconds: env step (1 / raw SPS) + inference "
         "(one-thread forward at the configuration's batch, divided by the batch) + learner "
-        "(one-thread step at the run's precision / (T*B)), each from the fastest of its measurements above "
-        "(the best estimate of the work itself on a shared machine; the tables above show "
+        "(one-thread step at the run's precision / (T*B)), each from the fastest of its "
+        "measurements above (the best estimate of the work itself on a shared machine; the "
+        "tables above show "
         "medians; EnvPool's env cost is its core-us/step, synchronous, one thread). "
         "Bound = cores / cost: the SPS if every core did "
         "nothing but this work. PolyBeast's inference batch is the largest its dynamic "
@@ -470,7 +472,8 @@ def section_profile_monobeast(report, args, e2e_results, cores):
         table(["side", "part", "us per env step", "share"], lines),
         f"MonoBeast's own objects on Null-v0 with MLP {ctx['hidden_size']} in this process, "
         f"one intra-op thread: a Sampler with {ctx['envs_per_actor']} envs ({ctx['unrolls']} "
-        f"unrolls of T={ctx['unroll_length']}), then get_batch + Learner.update + TrainingStats.record "
+        f"unrolls of T={ctx['unroll_length']}), then get_batch + Learner.update + "
+        "TrainingStats.record "
         f"({ctx['learner_steps']} steps, B={ctx['batch_size']}), each part timed by "
         "perf_counter wrappers. Costs are per env step; the learner's per step = per learner "
         "step / (T*B).")

@@ -94,7 +94,8 @@ def test_missing_and_corrupt_files(tmp_path):
 
 def test_compat_lists_every_differing_key():
     saved = {"env": "PongNoFrameskip-v4", "model": "resnet", "use_lstm": True, "hidden_size": 64}
-    given = argparse.Namespace(env="PongNoFrameskip-v4", model="atari", use_lstm=False, hidden_size=64)
+    given = argparse.Namespace(env="PongNoFrameskip-v4", model="atari", use_lstm=False,
+                               hidden_size=64)
     with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.check_compatible(saved, given)
     message = str(info.value)

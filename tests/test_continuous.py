@@ -474,8 +474,8 @@ def test_learns_pendulum(tmp_path):
     """The continuous-control defaults take Pendulum-v1 to a mean return above -400 (100
     episodes) within 300k steps. Tuning runs got there at 80k-150k steps (14 seeds of 14; the
     random policy scores about -1,300, a good one about -150 to -250), in about 20 s of a
-    25 s run on two idle cores. One intra-op thread: two, on cores the actors also use, made the learner several
-    times slower on a loaded machine; it changes the speed only."""
+    25 s run on two idle cores. One intra-op thread: two, on cores the actors also use, made the
+    learner several times slower on a loaded machine; it changes the speed only."""
     run_variant(tmp_path, "monobeast", "--total_steps", 300_000, "--log_interval_steps", 5000,
                 "--num_torch_threads", 1, "--seed", 1, timeout=600)
     rows = read_logs(tmp_path / "run")

@@ -155,7 +155,8 @@ def test_dict_net_reads_every_entry_and_refuses_a_wrong_shape():
     inputs = dict_inputs(2, 3, SHAPES)
     baseline = model(inputs)[0]["baseline"]
     for key in SHAPES:  # changing any one entry changes the output
-        changed = dict(inputs, **{"frame/" + key: dict_inputs(2, 3, SHAPES, seed=1)["frame/" + key]})
+        other = dict_inputs(2, 3, SHAPES, seed=1)["frame/" + key]
+        changed = dict(inputs, **{"frame/" + key: other})
         assert not torch.allclose(model(changed)[0]["baseline"], baseline), key
     with pytest.raises(ValueError, match="'vector'"):
         model(dict(inputs, **{"frame/vector": torch.zeros(2, 3, 6)}))

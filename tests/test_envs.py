@@ -1,4 +1,5 @@
-"""Tests of beast/envs.py: create_env, the Atari preprocessing, and RolloutAdapter's rollout format."""
+"""Tests of beast/envs.py: create_env, the Atari preprocessing, and RolloutAdapter's rollout
+format."""
 
 import argparse
 import sys
@@ -315,14 +316,16 @@ def test_legacy_gym_api_adapter():
 @pytest.mark.parametrize("env_class", [OldCounterEnv, OldApiGymnasiumEnv])
 def test_create_env_detects_old_api(env_class):
     env_id = f"BeastTest{env_class.__name__}-v0"
-    gymnasium.register(env_id, entry_point=env_class, max_episode_steps=3, kwargs=dict(episode_length=10))
+    gymnasium.register(env_id, entry_point=env_class, max_episode_steps=3,
+                       kwargs=dict(episode_length=10))
     try:
         adapter = make_adapter(env_id)
         assert adapter.initial()["frame"].dtype == np.float32  # float64 vectors are cast
         outputs = [adapter.step(1) for _ in range(5)]
         # The TimeLimit cuts the third step: its final observation comes with truncated, the
         # next step starts the next episode (done) whatever its action.
-        assert [bool(output["truncated"]) for output in outputs] == [False, False, True, False, False]
+        truncated = [bool(output["truncated"]) for output in outputs]
+        assert truncated == [False, False, True, False, False]
         assert [bool(output["done"]) for output in outputs] == [False, False, False, True, False]
         assert outputs[2]["episode_return"] == 3.0 and outputs[2]["episode_step"] == 3
         assert outputs[2]["game_over"] and not outputs[3]["game_over"]

@@ -25,7 +25,8 @@ def common_parser():
 
 
 def env_parser():
-    return beast_flags.add_env_flags(argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter))
+    parser = argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter)
+    return beast_flags.add_env_flags(parser)
 
 
 def action_for(parser, dest):

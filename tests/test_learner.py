@@ -272,7 +272,8 @@ def ppo_surrogate_loss(flags, learner_outputs, batch):
     surrogate = torch.minimum(rho * adv, torch.clamp(rho, 1 - eps, 1 + eps) * adv)
     values = learner_outputs["baseline"][:-1]
     return (-surrogate.sum()
-            + flags.baseline_cost * 0.5 * ((torch.tensor(vs, dtype=torch.float32) - values) ** 2).sum()
+            + flags.baseline_cost * 0.5
+            * ((torch.tensor(vs, dtype=torch.float32) - values) ** 2).sum()
             + flags.entropy_cost * (log_pi.exp() * log_pi).sum())
 
 

@@ -24,7 +24,8 @@ def assert_same_step(batch, row, single):
 def test_gymnasium_backend_equals_separate_adapters():
     flags = make_flags("CartPole-v1")
     vector = vector_envs.create_vector_env(flags, 3, seed=11)
-    singles = [envs.RolloutAdapter(envs.create_env(flags), seed=vector_envs.env_seed(11, j)) for j in range(3)]
+    singles = [envs.RolloutAdapter(envs.create_env(flags), seed=vector_envs.env_seed(11, j))
+               for j in range(3)]
     try:
         out = vector.initial()
         assert out["frame"].shape == (3, 4) and out["done"].all()

@@ -187,7 +187,8 @@ def test_a_video_on_a_full_disk_is_one_error_and_no_file(small_disk):
     small_disk.fill()
     rng = np.random.default_rng(0)
     writer = video.VideoWriter(os.path.join(videos, "game.mp4"), fps=30)
-    with pytest.raises(video.VideoError, match=r"cannot write the video .*game.mp4: .*disk is full"):
+    with pytest.raises(video.VideoError,
+                       match=r"cannot write the video .*game.mp4: .*disk is full"):
         for _ in range(200):  # noise: it does not compress
             writer.append(rng.integers(0, 256, (240, 320, 3), dtype=np.uint8))
         writer.close()
