@@ -18,6 +18,8 @@ fi
 if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null; then PACKAGES="$PACKAGES iproute2"; fi
 # openssl: python -m beast.tls makes certificates with it (and the TLS tests, theirs).
 if ! command -v openssl >/dev/null; then PACKAGES="$PACKAGES openssl"; fi
+# clang-format: CI checks csrc/ against .clang-format with it.
+if ! command -v clang-format >/dev/null; then PACKAGES="$PACKAGES clang-format"; fi
 if [ -n "$PACKAGES" ]; then
     if command -v apt-get >/dev/null; then
         SUDO=""
