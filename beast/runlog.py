@@ -6,6 +6,10 @@ Layout of a run directory (``savedir/xpid/``)::
     flags.json      the flags of the latest start (older starts: flags.json.1, .2, ...)
     meta.json       code version, package versions, host, start time, command line
     logs.csv        one row per logging point: _time, step, then the stats
+    logs.after-checkpoint.csv
+                    rows a start logged after its last checkpoint (it was killed before it
+                    could write another), moved out of logs.csv by the resume, which logs
+                    those steps again (older ones: .1, .2, ...)
     tensorboard/    the same scalars as TensorBoard events
     model.tar       the checkpoint (written by beast.checkpoint)
     videos/         MP4s of test and evaluation games (beast/video.py), when asked for
@@ -292,21 +296,32 @@ class StatsLogger:
     (e.g. the first evaluation result), the file is rewritten once with the
     wider header, atomically; earlier rows get an empty cell there. On a resume
     the existing file is appended to with its own header, so nothing is lost.
-    (Rows logged after the last checkpoint of the earlier start stay in the
-    file, so a step may appear twice after a resume.)
+    A resume from a checkpoint of step S learns the steps after S again (S is 0 when the
+    earlier start was killed before its first checkpoint): the rows that start logged past S
+    are moved to logs.after-checkpoint.csv, and TensorBoard hides its events past S, so that
+    each step has one row and one value.
 
     Args:
         run_dir: a RunDir.
         use_tensorboard: also write the numeric stats as TensorBoard scalars.
         flags: the run's flags; with flags.wandb_project, the rows (and videos) go to
             Weights & Biases too (WandbTracker).
+        start_step: the step this start learns from: its checkpoint's, or 0 without one
+            (rows an earlier start logged past it are set aside); None: set nothing aside.
     """
 
-    def __init__(self, run_dir, use_tensorboard=True, flags=None):
+    def __init__(self, run_dir, use_tensorboard=True, flags=None, start_step=None):
         self.path = run_dir.logs_path
         self._wandb = None
         if flags is not None and getattr(flags, "wandb_project", None):
             self._wandb = WandbTracker(run_dir, flags)
+        if start_step is not None:
+            try:
+                set_aside_rows_after(self.path, int(start_step))
+            except OSError as e:  # a full disk: a step twice in the file, but no row lost
+                print(f"warning: cannot set aside the rows of {self.path} logged after step "
+                      f"{start_step} ({e.strerror or e}); those steps appear twice.",
+                      file=sys.stderr)
         self._fieldnames = None  # the columns of the rows logged so far
         if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             with open(self.path, newline="") as f:
@@ -321,7 +336,11 @@ class StatsLogger:
             # Imported here: it is slow to import and plotting never needs it.
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=run_dir.tb_dir)
+            # Events of the earlier start past the checkpoint are hidden from TensorBoard
+            # (its readers drop those at and after purge_step when this writer starts).
+            self._tb = SummaryWriter(
+                log_dir=run_dir.tb_dir,
+                purge_step=None if start_step is None else int(start_step) + 1)
             if threading.excepthook is threading.__excepthook__:  # not if others set one
                 threading.excepthook = _quiet_tensorboard_thread
 
@@ -387,20 +406,9 @@ class StatsLogger:
         """Rewrites logs.csv with the new columns appended to the header."""
         with open(self.path, newline="") as f:
             rows = list(csv.reader(f))[1:]
-        tmp = self.path + ".tmp"
-        try:
-            with open(tmp, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(self._fieldnames)
-                width = len(self._fieldnames)  # earlier rows get an empty cell per new column
-                writer.writerows(row + [""] * (width - len(row)) for row in rows)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)  # a crash here leaves the old file whole
-        except OSError:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        width = len(self._fieldnames)  # earlier rows get an empty cell per new column
+        _write_rows_atomically(self.path, self._fieldnames,
+                               [row + [""] * (width - len(row)) for row in rows])
         self._on_disk = list(self._fieldnames)
 
     def _write_tensorboard(self, step, row):
@@ -443,6 +451,56 @@ class StatsLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def set_aside_rows_after(path, step):
+    """Moves the rows of logs.csv at `path` whose step is past `step` to
+    logs.after-checkpoint.csv beside it (an older such file becomes .1, .2, ...); returns
+    how many moved. The moved rows are written (and synced) before logs.csv is replaced
+    atomically, so a crash in between leaves a row twice, never nowhere."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+    except FileNotFoundError:
+        return 0
+    if not rows or "step" not in rows[0]:
+        return 0
+    header, column = rows[0], rows[0].index("step")
+
+    def after(row):
+        try:
+            return float(row[column]) > step
+        except (IndexError, ValueError):
+            return False  # a row cut short by a crash stays where it is
+
+    moved = [row for row in rows[1:] if after(row)]
+    if not moved:
+        return 0
+    aside = os.path.join(os.path.dirname(path), "logs.after-checkpoint.csv")
+    _keep_old(aside)
+    _write_rows_atomically(aside, header, moved)
+    _write_rows_atomically(path, header, [row for row in rows[1:] if not after(row)])
+    print(f"Starting from step {step}: the {len(moved)} rows of {path} logged past it by an "
+          f"earlier start are kept in {aside}.", file=sys.stderr)
+    return len(moved)
+
+
+def _write_rows_atomically(path, header, rows):
+    """Writes a CSV file through a temporary file and a rename: a crash leaves the old file
+    whole."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(rows)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 class TrackingError(RuntimeError):

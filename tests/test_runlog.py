@@ -166,6 +166,62 @@ def test_tensorboard_events_written(tmp_path):
     assert any(name.startswith("events.") for name in os.listdir(run_dir.tb_dir))
 
 
+def test_a_resume_sets_aside_the_rows_logged_after_its_checkpoint(tmp_path, capsys):
+    """A run killed after its checkpoint of step 30 had logged steps 40 and 50 too; the
+    resume learns those steps again. logs.csv keeps one row per step, in order, and the rows
+    of the killed start go to logs.after-checkpoint.csv, not away. A second such resume keeps
+    the first one's file as .1."""
+    run_dir = runlog.RunDir(tmp_path, "exp")
+    with runlog.StatsLogger(run_dir, use_tensorboard=False) as logger:
+        for step in (10, 20, 30, 40, 50):
+            logger.log(step, {"total_loss": step / 100})
+    with runlog.StatsLogger(run_dir, use_tensorboard=False, start_step=30) as logger:
+        for step in (40, 50, 60):
+            logger.log(step, {"total_loss": -step / 100, "policy_entropy": 1.0})
+    rows = runlog.read_logs(run_dir.logs_path)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40, 50, 60]
+    assert [r["total_loss"] for r in rows[3:]] == [-0.4, -0.5, -0.6]  # the resumed start's
+    aside = tmp_path / "exp" / "logs.after-checkpoint.csv"
+    moved = runlog.read_logs(aside)
+    assert [(r["step"], r["total_loss"]) for r in moved] == [(40, 0.4), (50, 0.5)]
+    assert "2 rows" in capsys.readouterr().err
+
+    with runlog.StatsLogger(run_dir, use_tensorboard=False, start_step=50) as logger:
+        logger.log(60, {"total_loss": 0.0, "policy_entropy": 2.0})
+    assert [r["step"] for r in runlog.read_logs(run_dir.logs_path)] == [10, 20, 30, 40, 50, 60]
+    assert [r["step"] for r in runlog.read_logs(aside)] == [60]
+    assert [r["step"] for r in runlog.read_logs(f"{aside}.1")] == [40, 50]
+    # Nothing past the checkpoint (a run stopped cleanly checkpoints last): nothing moves.
+    with runlog.StatsLogger(run_dir, use_tensorboard=False, start_step=60):
+        pass
+    assert not os.path.exists(f"{aside}.2")
+    assert not [name for name in os.listdir(run_dir.path) if name.endswith(".tmp")]
+    # A start killed before its first checkpoint: the next one starts from step 0.
+    with runlog.StatsLogger(run_dir, use_tensorboard=False, start_step=0) as logger:
+        logger.log(10, {"total_loss": 0.0})
+    assert [r["step"] for r in runlog.read_logs(run_dir.logs_path)] == [10]
+    assert [r["step"] for r in runlog.read_logs(aside)] == [10, 20, 30, 40, 50, 60]
+
+
+def test_a_resume_hides_the_tensorboard_events_after_its_checkpoint(tmp_path):
+    """TensorBoard reads one value per step: the killed start's events past the checkpoint
+    are purged when the resumed start's writer begins."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    run_dir = runlog.RunDir(tmp_path, "exp")
+    with runlog.StatsLogger(run_dir) as logger:
+        for step in (10, 20, 30, 40, 50):
+            logger.log(step, {"total_loss": 1.0})
+    with runlog.StatsLogger(run_dir, start_step=30) as logger:
+        for step in (40, 50, 60):
+            logger.log(step, {"total_loss": 2.0})
+    events = event_accumulator.EventAccumulator(run_dir.tb_dir)
+    events.Reload()
+    scalars = events.Scalars("total_loss")
+    assert [(s.step, s.value) for s in scalars] == [
+        (10, 1.0), (20, 1.0), (30, 1.0), (40, 2.0), (50, 2.0), (60, 2.0)]
+
+
 def test_episode_stats_window():
     stats = runlog.EpisodeStats(window=3)
     assert math.isnan(stats.mean_return())
