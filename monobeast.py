@@ -14,10 +14,6 @@ runs with actor processes are reproducible.
 """
 
 import argparse
-import contextlib
-import copy
-import itertools
-import math
 import os
 import queue
 import signal
@@ -31,9 +27,10 @@ from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
 from beast import models
+from beast import lockstep
 from beast import restarts
-from beast.restarts import when_orphaned  # act()'s `restarts` is a count
 from beast import rollout
+from beast import system
 from beast import training
 from beast import vector_envs
 
@@ -47,18 +44,19 @@ def make_parser():
         formatter_class=beast_flags.HelpFormatter)
     beast_flags.add_common_flags(parser)
     # Actors and buffers.
-    parser.add_argument("--num_actors", type=int, default=2,
+    parser.add_argument("--num_actors", type=beast_flags.Number(int, low=0), default=2,
                         help="Actor processes; 0 steps the environments in the "
                              "learner's process (serial mode, for debugging).")
-    parser.add_argument("--envs_per_actor", type=int, default=None,
+    parser.add_argument("--envs_per_actor", type=beast_flags.Number(int, low=1), default=None,
                         help="Environments each actor steps together, with one forward pass "
                              "for all (default: "
                              f"{beast_flags.describe_defaults(ENVS_PER_ACTOR)}).")
-    parser.add_argument("--num_buffers", type=int, default=None,
+    parser.add_argument("--num_buffers", type=beast_flags.Number(int, low=1), default=None,
                         help="Shared-memory rollout buffers "
                              "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size); "
                              "with --deterministic the fewest its schedule needs).")
-    parser.add_argument("--actor_timeout_s", type=float, default=30.0,
+    parser.add_argument("--actor_timeout_s", type=beast_flags.Number(float, low=0),
+                        default=30.0,
                         help="Kill and start the actors again when one has been stepping its "
                              "environments for this long without finishing a step (a hung "
                              "environment). 0: never. Not with --deterministic.")
@@ -174,22 +172,23 @@ class Sampler:
         self.envs.close()
 
 
-def act(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
-        error_count, restarts=0, stepping=None):
+def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
+              error_count, times_restarted=0, stepping=None):
     """Actor process: takes free buffer indices, fills them, hands them on.
-    restarts: how often the actors were started again (train_parallel): new seeds each time.
+    times_restarted: how often the actors were started again (train_parallel): new seeds
+    each time.
     stepping: the shared value the actor's Sampler writes for the watchdog."""
-    training.leave_stop_signals_to_the_learner()
-    training.name_os_thread(f"actor-{actor_index}")
+    system.leave_stop_signals_to_the_learner()
+    system.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
-    torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * restarts)
+    torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * times_restarted)
     sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
-                      seed=flags.seed * 100 + actor_index + 1_000_003 * restarts,
+                      seed=flags.seed * 100 + actor_index + 1_000_003 * times_restarted,
                       error_count=error_count, name=f"actor {actor_index}",
                       stepping=stepping)
     # A learner killed outright sends no stop, and the other actors keep the queue's pipe
     # open: without this the actor would wait on free_queue for ever.
-    when_orphaned(os.getppid(), lambda: os._exit(0), name="learner-watch")
+    restarts.when_orphaned(os.getppid(), lambda: os._exit(0), name="learner-watch")
     try:
         while True:
             indices = []
@@ -213,324 +212,16 @@ def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     indices = [full_queue.get() for _ in range(flags.batch_size)]
     if any(i is None for i in indices):
         return None
-    batch, state = select_batch(buffers, state_buffers, indices)
+    batch, state = rollout.select_batch(buffers, state_buffers, indices)
     for i in indices:  # The copies above are done: the buffers can be refilled.
         free_queue.put(i)
-    return to_device(batch, state, device)
+    return rollout.to_device(batch, state, device)
 
 
-def select_batch(buffers, state_buffers, indices):
-    """Copies the rollouts of buffers `indices` (B of them, in this order) out of shared
-    memory: (batch dict of [T+1, B, ...] tensors, core state tuple of [L, B, H] tensors)."""
-    index = torch.tensor(indices)
-    batch = {k: v.index_select(1, index) for k, v in buffers.items()}
-    state = tuple(s.index_select(0, index).transpose(0, 1).contiguous() for s in state_buffers)
-    return batch, state
 
 
-def to_device(batch, state, device):
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    state = tuple(s.to(device, non_blocking=True) for s in state)
-    return batch, state
 
 
-class ActorDied(RuntimeError):
-    """An actor process ended before it was told to (or hung, and was killed)."""
-
-    def __init__(self, index, exitcode, hung_s=None):
-        self.exitcode = exitcode
-        if hung_s is not None:
-            how = (f"had been stepping its environments for {hung_s:.0f} s without finishing "
-                   "a step (--actor_timeout_s), and was killed")
-        elif exitcode < 0:
-            how = restarts.how_it_ended(exitcode)
-        else:
-            how = f"died with exit code {exitcode}; its traceback is above"
-        super().__init__(f"Actor process {index} {how}.")
-
-
-def check_actors(actors):
-    """Raises ActorDied if an actor process has died."""
-    for i, process in enumerate(actors):
-        if process.exitcode not in (None, 0):
-            raise ActorDied(i, process.exitcode)
-
-
-# ----------------------------------------------------------------------------
-# --deterministic: a fixed schedule in place of the queues.
-
-class Lockstep:
-    """The schedule that makes a run with actor processes reproducible (--deterministic).
-
-    With the queues, timing decides which rollouts form a batch (the order in which
-    actors finish) and which weights an actor acts with (whatever the learner wrote
-    last). Here both are fixed. With N actors of E environments each, R = N * E
-    rollouts per round and batch size B:
-
-      rollouts  one order for the whole run: round k is every actor's k-th unroll,
-                actor 0's E rollouts first, so rollout r = k*R + i*E + j (actor i,
-                environment j) lives in buffer r % num_buffers.
-      batches   update u (counted from this start) learns on rollouts [u*B, (u+1)*B),
-                in that order, in one learner thread.
-      weights   round k is acted with version V(k) = floor(max(k - 1, 0) * R / B), the
-                weights after every update that needs only rounds before k - 1, so the
-                actors fill round k while the learner learns on round k - 1. With R = B
-                (Pong's defaults) update u learns on rollouts acted with the weights of
-                the update before its own, as Cleanba does; with R = 4B (CartPole's) the
-                lag is 4 to 7 updates, the same for every run.
-      copies    an actor copies version V(k) into its own model before round k (taken),
-                and the learner writes the next version only once every actor that acts
-                with the current one has taken it: no weights are torn or skipped.
-      buffers   round k is written once version V(k) exists, i.e. once rollouts before
-                V(k) * B have been copied out; with num_buffers >= 2R + B - gcd(R, B)
-                (lockstep_num_buffers) it never overwrites a rollout not yet learned.
-
-    Shared counters, read and written under `lock`: version (of the weights in the
-    shared model), taken[i] and filled[i] (rounds that actor i has taken the weights
-    for, and written), restarts[m] (the environment restarts of the actor that wrote
-    buffer m, as of that rollout's end, so that env_errors follows the rollouts learned
-    and not the timing). A change rings every party's doorbell, a semaphore: unlike
-    multiprocessing.Condition's notify, ringing never waits for the woken process, so a
-    killed actor cannot hang the learner.
-    """
-
-    def __init__(self, ctx, flags):
-        self.envs_per_actor, self.batch_size = flags.envs_per_actor, flags.batch_size
-        self.per_round = flags.num_actors * flags.envs_per_actor
-        self.num_buffers = flags.num_buffers
-        self.lock = ctx.Lock()
-        # One per actor, then the learner's (index num_actors).
-        self.doorbells = [ctx.Semaphore(0) for _ in range(flags.num_actors + 1)]
-        self.version = ctx.RawValue("q", 0)
-        self.taken = ctx.RawArray("q", flags.num_actors)
-        self.filled = ctx.RawArray("q", flags.num_actors)
-        self.restarts = ctx.RawArray("q", flags.num_buffers)
-        self.closed = ctx.RawValue("b", 0)
-
-    def weights_for_round(self, k):
-        """V(k): the version of the weights that round k is acted with."""
-        return max(k - 1, 0) * self.per_round // self.batch_size
-
-    def rounds_up_to_version(self, v):
-        """How many rounds are acted with versions <= v: the least k with V(k) > v."""
-        return 1 + -(-(v + 1) * self.batch_size // self.per_round)
-
-    def round_buffers(self, actor, k):
-        first = k * self.per_round + actor * self.envs_per_actor
-        return [(first + j) % self.num_buffers for j in range(self.envs_per_actor)]
-
-    def batch_rollouts(self, update):
-        return range(update * self.batch_size, (update + 1) * self.batch_size)
-
-    def actor_of(self, rollout):
-        return rollout % self.per_round // self.envs_per_actor
-
-    def batch_ready(self, update):
-        """Whether update `update` may start (call under `lock`): its rollouts are
-        written, and every actor has taken the weights that the update will replace."""
-        return (min(self.taken) >= self.rounds_up_to_version(update)
-                and all(self.filled[self.actor_of(r)] > r // self.per_round
-                        for r in self.batch_rollouts(update)))
-
-    def wait(self, who, ready, give_up=None, poll_s=0.1):
-        """Waits until ready() (called under the lock); who: an actor's index, or
-        num_actors for the learner. Returns False instead once the schedule is closed or
-        give_up() says so; give_up may also raise."""
-        doorbell = self.doorbells[who]
-        while True:
-            # Rings so far are answered by the check below; without draining, rings while
-            # nobody waited would pile up and turn this wait into a busy loop.
-            while doorbell.acquire(block=False):
-                pass
-            if not self._lock(give_up, poll_s):
-                return False
-            try:
-                if ready():
-                    return True
-            finally:
-                self.lock.release()
-            if self.closed.value or (give_up is not None and give_up()):
-                return False
-            # A ring after the check above is counted by the semaphore, never lost.
-            doorbell.acquire(timeout=poll_s)
-
-    def _lock(self, give_up=None, poll_s=0.1):
-        """Takes the lock; False instead once the schedule is closed or give_up() says so.
-        Never waits for it unboundedly: an actor killed while it held the lock (the OOM
-        killer) holds it for ever, and the learner must still notice the death and stop."""
-        while not self.lock.acquire(timeout=poll_s):
-            if self.closed.value or (give_up is not None and give_up()):
-                return False
-        return True
-
-    def advance(self, counter, index, value, give_up=None):
-        """counter[index] = value (counter: taken, filled, or version with index None).
-        False if it could not (see _lock)."""
-        if not self._lock(give_up):
-            return False
-        try:
-            if index is None:
-                counter.value = value
-            else:
-                counter[index] = value
-        finally:
-            self.lock.release()
-        self._ring()
-        return True
-
-    def _ring(self):
-        for doorbell in self.doorbells:
-            doorbell.release()
-
-    def close(self):
-        """Ends the schedule: every waiting actor returns. Without the lock (a dead actor may
-        hold it): `closed` has this one writer, and goes from 0 to 1 once."""
-        self.closed.value = 1
-        self._ring()
-
-
-def lockstep_num_buffers(flags):
-    """The fewest buffers with which Lockstep never overwrites a rollout not yet learned."""
-    per_round = flags.num_actors * flags.envs_per_actor
-    return 2 * per_round + flags.batch_size - math.gcd(per_round, flags.batch_size)
-
-
-def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
-                    state_buffers):
-    """Actor process of a --deterministic run: round after round, waits for the round's
-    version of the weights, copies it and fills the round's buffers."""
-    training.leave_stop_signals_to_the_learner()
-    training.name_os_thread(f"actor-{actor_index}")
-    torch.set_num_threads(1)
-    torch.manual_seed(flags.seed * 7919 + actor_index)
-    # Its own copy (version 0 now): the learner writes the next version while this one acts.
-    model = copy.deepcopy(shared_model)
-    # Restarts are counted per actor (error_count None), so their seeds follow the schedule.
-    sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
-                      seed=flags.seed * 100 + actor_index, name=f"actor {actor_index}")
-    learner_pid = os.getppid()
-
-    def orphaned():  # the learner's process is gone (killed before it could close)
-        return os.getppid() != learner_pid
-
-    try:
-        for k in itertools.count():
-            version = lockstep.weights_for_round(k)
-            if not lockstep.wait(actor_index, lambda: lockstep.version.value >= version,
-                                 give_up=orphaned):
-                return
-            model.load_state_dict(shared_model.state_dict())
-            model.weights_step.copy_(shared_model.weights_step)
-            if not lockstep.advance(lockstep.taken, actor_index, k + 1, orphaned):
-                return
-            indices = lockstep.round_buffers(actor_index, k)
-            sampler.unroll(indices)
-            for m in indices:
-                lockstep.restarts[m] = sampler.envs.restarts
-            if not lockstep.advance(lockstep.filled, actor_index, k + 1, orphaned):
-                return
-    finally:
-        sampler.close()
-
-
-def train_lockstep(run, model, buffers, state_buffers):
-    """--deterministic with actor processes: actors on the Lockstep schedule, one learner
-    thread (learn_in_lockstep); this thread only waits for it and for a stop request.
-
-    model: the shared-memory acting model, which run.learn writes after each update
-    (Learner.update): the schedule's next version, published by advancing the counter.
-    """
-    flags = run.flags
-    ctx = mp.get_context("fork")
-    lockstep = Lockstep(ctx, flags)
-    actors = [ctx.Process(target=act_in_lockstep, name=f"actor-{i}", daemon=True,
-                          args=(i, flags, lockstep, model, run.schema, buffers, state_buffers))
-              for i in range(flags.num_actors)]
-    for process in actors:
-        process.start()
-    # Not in this thread: with 2 intra-op threads on busy cores, torch ran the learner's
-    # small ops about 3x slower in the main thread than in another (CartPole, 2 cores).
-    learner = run.errors.thread("learner", learn_in_lockstep, run, lockstep, actors,
-                                buffers, state_buffers)
-    learner.start()
-    try:
-        while learner.is_alive():
-            learner.join(timeout=0.2)  # wakes for signals, which set run.stop
-        run.errors.raise_first()
-    finally:
-        lockstep.close()
-        learner.join(timeout=60)
-        join_actors(actors)
-
-
-def join_actors(actors, timeout_s=10.0):
-    """Waits for the actor processes to exit (they stop on the None in their queue, or when
-    the schedule closes); one that does not within timeout_s is killed (they ignore SIGTERM,
-    and one may be stuck on a lock that a dead actor held)."""
-    deadline = time.monotonic() + timeout_s
-    for process in actors:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
-
-
-def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
-    """The learner thread of a --deterministic run: the schedule's batches in order, and
-    between steps what serial mode does between steps (status, checkpoints, evaluation),
-    so that the rows of logs.csv come in a fixed order too."""
-    flags = run.flags
-    restarts = [0] * flags.num_actors  # each actor's, as of the last rollout learned
-
-    def give_up():
-        try:
-            check_actors(actors)
-        except ActorDied as died:
-            # Started again, the actors would act on another schedule: no restarts here.
-            raise training.UserError(f"{died} With --deterministic the actors are not "
-                                     "started again; the same command resumes the run from "
-                                     "its checkpoint.") from None
-        return run.stop.is_set()
-
-    update = 0
-    while not run.done():
-        if not lockstep.wait(flags.num_actors, lambda: lockstep.batch_ready(update), give_up):
-            break
-        rollouts = lockstep.batch_rollouts(update)
-        indices = [r % flags.num_buffers for r in rollouts]
-        for r, m in zip(rollouts, indices):
-            restarts[lockstep.actor_of(r)] = lockstep.restarts[m]
-        run.learn(*to_device(*select_batch(buffers, state_buffers, indices), run.device))
-        update += 1
-        if not lockstep.advance(lockstep.version, None, update, give_up):
-            break
-        run.housekeeping(env_errors=sum(restarts))
-    else:
-        return  # done
-    if run.stop.is_set():
-        print(f"\nStopping on request; the run can be resumed with --xpid {flags.xpid}.",
-              file=sys.stderr)
-
-
-@contextlib.contextmanager
-def deterministic_kernels(enabled):
-    """With --deterministic, torch's deterministic kernels (on a GPU; the CPU's are already)
-    for the run; the previous settings come back at the end. An op that has none warns."""
-    if not enabled:
-        yield
-        return
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.benchmark)
-    # cuBLAS reads it when it first runs, which is after this (at the first learner step).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.benchmark = before[2]
 
 
 # ----------------------------------------------------------------------------
@@ -540,25 +231,22 @@ def check_flags(flags, info):
     """MonoBeast's own env-dependent flags; returns the problems found."""
     if flags.envs_per_actor is None:
         flags.envs_per_actor = ENVS_PER_ACTOR[info["kind"]]
-    lockstep = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
+    scheduled = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
-        if lockstep:
-            flags.num_buffers = lockstep_num_buffers(flags)
-    problems = []
-    if lockstep and flags.num_buffers < lockstep_num_buffers(flags):
+        if scheduled:
+            flags.num_buffers = lockstep.lockstep_num_buffers(flags)
+    problems = beast_flags.range_problems(flags, make_parser())
+    # With several threads, timing would order the updates.
+    if flags.deterministic and flags.num_learner_threads != 1:
+        problems.append("--deterministic learns in one thread: drop --num_learner_threads "
+                        f"(got {flags.num_learner_threads}) or set it to 1.")
+    if scheduled and flags.num_buffers < lockstep.lockstep_num_buffers(flags):
         problems.append(f"--deterministic needs --num_buffers of at least "
-                        f"{lockstep_num_buffers(flags)} with these --num_actors, "
+                        f"{lockstep.lockstep_num_buffers(flags)} with these --num_actors, "
                         "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
                         "raise it or leave it to its default.")
-    if flags.num_actors < 0:
-        problems.append(f"--num_actors must not be negative (got {flags.num_actors}).")
-    if not flags.actor_timeout_s >= 0:
-        problems.append(f"--actor_timeout_s must be 0 (never) or positive "
-                        f"(got {flags.actor_timeout_s}).")
-    if flags.envs_per_actor < 1:
-        problems.append(f"--envs_per_actor must be at least 1 (got {flags.envs_per_actor}).")
     if flags.num_buffers < flags.batch_size:
         problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --batch_size "
                         f"({flags.batch_size}), or no batch can ever be formed.")
@@ -570,20 +258,20 @@ def check_flags(flags, info):
 
 def acting_model(flags, info, model):
     """Actors read the weights from a CPU copy in shared memory (in --acting_precision)."""
-    copy = training.build_acting_model(flags, info)
-    copy.share_memory()
-    return copy
+    shared = training.build_acting_model(flags, info)
+    shared.share_memory()
+    return shared
 
 
 def train_loop(run, model, environments):
     flags = run.flags
     buffers = create_buffers(flags, run.schema)
     state_buffers = create_state_buffers(model, flags.num_buffers)
-    with deterministic_kernels(flags.deterministic):
+    with lockstep.deterministic_kernels(flags.deterministic):
         if flags.num_actors == 0:
             train_serial(run, model, buffers, state_buffers)
         elif flags.deterministic:
-            train_lockstep(run, model, buffers, state_buffers)
+            lockstep.train(run, model, buffers, state_buffers, Sampler)
         else:
             train_parallel(run, model, buffers, state_buffers)
 
@@ -604,7 +292,7 @@ def train_parallel(run, model, buffers, state_buffers):
         try:
             run.supervise(acting.threads, acting.check, env_errors=acting.env_errors)
             return
-        except ActorDied as e:
+        except restarts.ActorDied as e:
             died = e
             if died.exitcode > 0:  # it raised: its traceback shows a bug, not a fault
                 raise training.UserError(str(died)) from None
@@ -621,7 +309,7 @@ def train_parallel(run, model, buffers, state_buffers):
 class Acting:
     """One start of the actor processes, their queues and the learner threads."""
 
-    def __init__(self, run, model, buffers, state_buffers, restarts=0, env_errors=0):
+    def __init__(self, run, model, buffers, state_buffers, times_restarted=0, env_errors=0):
         flags = self.flags = run.flags
         ctx = mp.get_context("fork")
         self.free_queue, self.full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
@@ -630,9 +318,9 @@ class Acting:
         # Lock-free: one writer each, and a killed actor must not leave a lock held.
         self.stepping = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
         self.actors = [
-            ctx.Process(target=act, name=f"actor-{i}", daemon=True,
+            ctx.Process(target=run_actor, name=f"actor-{i}", daemon=True,
                         args=(i, flags, self.free_queue, self.full_queue, model, run.schema,
-                              buffers, state_buffers, self.error_count, restarts,
+                              buffers, state_buffers, self.error_count, times_restarted,
                               self.stepping[i]))
             for i in range(flags.num_actors)]
         self.started = time.monotonic()
@@ -649,12 +337,12 @@ class Acting:
 
     def check(self):
         """Raises ActorDied for an actor that died, or that hangs (it is killed first)."""
-        check_actors(self.actors)
+        restarts.check_actors(self.actors)
         timeout = self.flags.actor_timeout_s
         for i, since in enumerate(value.value for value in self.stepping):
             if timeout > 0 and since > 0 and time.time() - since > timeout:
                 self.actors[i].kill()
-                raise ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
+                raise restarts.ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
 
     def env_errors(self):
         # Without the counter's lock: a killed actor may have held it.
@@ -676,7 +364,7 @@ class Acting:
                 put_unlocked(self.full_queue, None)
         for thread in self.threads:
             thread.join(timeout=60)
-        join_actors(self.actors)
+        restarts.join_actors(self.actors)
         return self.env_errors()
 
 

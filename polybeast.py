@@ -2,7 +2,8 @@
 
 Data path:
   env servers (python -m polybeast_env; started here unless --no_start_servers)
-    --streams (gRPC; raw: to the servers started here)--> libpolybeast.ActorPool
+    --streams (gRPC; raw messages on unix sockets to the servers started here)-->
+         libpolybeast.ActorPool
          (one C++ actor thread per stream)
     --compute((env_outputs, agent_state))--> inference_batcher --> inference threads
          (the acting model on [T=1, B, ...] batches; answer (agent_outputs, agent_state))
@@ -12,8 +13,7 @@ Data path:
          (V-trace loss, RMSprop; then new weights -> the acting model).
 
 The actor pool, the batcher and the inference threads run in a process of their own
-(ActingProcess; with --no-acting_process they are threads of the learner's process:
-ActingThreads), forked from a CPU learner, spawned beside a CUDA one (a fork cannot use
+(ActingProcess), forked from a CPU learner, spawned beside a CUDA one (a fork cannot use
 CUDA), where inference stays on the GPU. Its batches reach the learner through shared
 memory, and the learner writes the acting model's weights into the acting process's replicas
 (shared memory, or GPU memory shared through CUDA IPC).
@@ -47,6 +47,7 @@ from beast import flags as beast_flags
 from beast import models as beast_models  # the name models is the InferenceModels below
 from beast import rollout
 from beast import tls
+from beast import system
 from beast import training
 
 JOIN_TIMEOUT_S = 30
@@ -57,23 +58,15 @@ SERVER_STOP_TIMEOUT_S = 15
 PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_basename",
                              "tls_ca", "tls_cert", "tls_key", "tls_server_name"})
 # Environments behind each server stream, by kind of environment (beast/flags.py ENV_DEFAULTS).
-# On Atari, more streams with fewer environments spread the servers' stepping over the cores;
-# bench/ measures the choice (README, Performance).
-# Vector tasks: 64, so that each stream amortizes its round trip (gRPC, inference) over more
-# environments; on 2 cores CartPole ran at 99,113-103,916 SPS with 2 servers x 128 envs against
-# 79,169-81,722 with 2 x 64 (three pairs, run in turn). 2 x 256 ran faster still
-# (123,255-136,392 against 106,014-109,837 for 2 x 128), but with rewards x 0.1 (the vector
-# default since) its twice longer policy lag slowed learning: 10 CartPole seeds first reached
-# 475 at 0.55M steps in the median against 0.36M, and one fell late and ended at 235 (README).
+# On Atari, more streams with fewer environments spread the servers' stepping over the cores.
+# Vector tasks: many, so that each stream amortizes its round trip (gRPC, inference) over more
+# environments; not more, since every environment in flight adds to the policy lag, which
+# slows learning (docs/defaults.md).
 ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
 # The env servers started here, by default: one per core, at most this many, hosting
 # DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
-# the extra processes only take turns: on 2 cores (AMD EPYC), 2 servers x 4 Pong envs ran
-# 1,023-1,071 SPS against 857-869 for 4 x 2, and 2 x 64 CartPole envs 65,571-68,925
-# against 57,550-57,789 for 4 x 32 (README, Performance).
+# the extra processes only take turns, so fewer servers carry more environments each.
 DEFAULT_NUM_ACTORS = 4
-# --local_transport -> the scheme of its socket addresses (beast/flags.py SOCKET_SCHEMES).
-TRANSPORT_SCHEMES = {"raw": "raw:", "grpc": "unix:"}
 # The acting process is forked, as MonoBeast's actors are: it starts at once and inherits
 # the acting model's shared memory. (No gRPC runs in this process before it.) Beside a CUDA
 # learner it is spawned: a forked child cannot use CUDA, and a spawned one receives the
@@ -90,33 +83,26 @@ def make_parser():
     beast_flags.add_common_flags(parser)
     _add_server_flags(parser)
     # Inference and the learner queue.
-    parser.add_argument("--num_inference_threads", type=int, default=1,
+    parser.add_argument("--num_inference_threads", type=beast_flags.Number(int, low=1), default=1,
                         help="Threads that run the acting model on batches of actor requests.")
-    parser.add_argument("--inference_torch_threads", type=int, default=1,
+    parser.add_argument("--inference_torch_threads", type=beast_flags.Number(int, low=1), default=1,
                         help="Intra-op threads of each inference thread (the learner threads "
                              "keep --num_torch_threads). One: a batch of single steps is too "
-                             "small to split: on 2 cores Pong ran at 1,222-1,287 SPS with 1 "
-                             "against 1,135-1,204 with 2, side by side.")
-    parser.add_argument("--acting_process", action=argparse.BooleanOptionalAction,
-                        default=None,
-                        help="Run the actor threads and inference in a process of their own "
-                             "(default), so that inference waits on neither the learner's GIL "
-                             "nor its memory allocator; with a CUDA learner it infers on the "
-                             "GPU. --no-acting_process: threads of the learner's process.")
+                             "small to split.")
     parser.add_argument("--acting_start_method", choices=sorted(ACTING_START_METHODS),
                         default=None,
                         help="How the acting process starts: fork (the default with the "
                              "learner on the CPU: it starts at once) or spawn (the default with "
                              "a CUDA learner, whose fork could not use CUDA).")
-    parser.add_argument("--inference_batch_size", type=int, default=None,
+    parser.add_argument("--inference_batch_size", type=beast_flags.Number(int, low=1), default=None,
                         help="Most actor requests in one inference forward pass "
                              "(default: num_actors).")
     # Several learner ranks (torchrun; beast/distributed.py).
-    parser.add_argument("--dist_timeout_s", type=float, default=300.0,
+    parser.add_argument("--dist_timeout_s", type=beast_flags.Number(float, above=0), default=300.0,
                         help="Under torchrun: end the run when another learner rank sends no "
                              "heartbeat, or a gradient all-reduce waits, for this long (a rank "
                              "that crashed is usually noticed at once).")
-    parser.add_argument("--max_learner_queue_size", type=int, default=None,
+    parser.add_argument("--max_learner_queue_size", type=beast_flags.Number(int, low=1), default=None,
                         help="Rollouts that may wait for the learner before the actors block; "
                              "a short queue keeps the policy lag small (default: batch_size).")
     tls.add_learner_flags(parser)
@@ -125,12 +111,13 @@ def make_parser():
 
 def _add_server_flags(parser):
     """Where the env servers are, how many, and how their streams are laid out."""
-    parser.add_argument("--num_actors", type=int, default=None,
+    parser.add_argument("--num_actors", type=beast_flags.Number(int, low=1), default=None,
                         help="Actor threads, one env server stream each (a stream carries "
                              "--envs_per_stream environments); also the number of env servers "
                              f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}; "
                              "one per address of --server_addresses).")
-    parser.add_argument("--envs_per_stream", type=int, default=None,
+    parser.add_argument("--envs_per_stream",
+                        type=beast_flags.Number(int, 1, libpolybeast.MAX_ENVS_PER_STREAM), default=None,
                         help="Environments behind each env server stream, stepped together and "
                              "sent as one batch (default: "
                              f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}; with fewer than "
@@ -143,15 +130,9 @@ def _add_server_flags(parser):
     parser.add_argument("--pipes_basename", default=None,
                         help="Env server i listens at <pipes_basename>.i, a unix socket: "
                              "unix:PATH for gRPC, raw:PATH for the same messages without gRPC "
-                             "(default: raw:<fresh temporary directory>/env, or unix: with "
-                             "--local_transport grpc; removed at exit). Its scheme, not "
-                             "--local_transport, says how the actors talk to these servers.")
-    parser.add_argument("--local_transport", choices=["raw", "grpc"], default="raw",
-                        help="How the actors talk to the env servers this run starts: raw, "
-                             "length-prefixed messages on a unix socket, read and written by the "
-                             "actor threads themselves (fewer hand-offs per round trip); grpc, "
-                             "gRPC on a unix socket, what servers elsewhere and TorchBeast's "
-                             "speak. The messages are the same (csrc/rpcenv.proto)."),
+                             "(default: raw:<fresh temporary directory>/env, removed at exit). "
+                             "The servers started here speak raw messages unless it says "
+                             "unix:.")
     parser.add_argument("--no_start_servers", action="store_true",
                         help="Connect to env servers started elsewhere with `python -m "
                              "polybeast_env` (at --server_addresses, or <pipes_basename>.i).")
@@ -159,11 +140,11 @@ def _add_server_flags(parser):
                         help="Comma-separated addresses of running env servers (unix:PATH, "
                              "raw:PATH or HOST:PORT); actor i streams from address i mod their number. "
                              "Implies --no_start_servers.")
-    parser.add_argument("--connect_timeout_s", type=float, default=60.0,
+    parser.add_argument("--connect_timeout_s", type=beast_flags.Number(float, above=0), default=60.0,
                         help="End the run when an env server cannot be reached for this long "
                              "(at the start, or after it went away), or when its streams keep "
                              "ending before a rollout is complete for this long.")
-    parser.add_argument("--stream_timeout_s", type=float, default=30.0,
+    parser.add_argument("--stream_timeout_s", type=beast_flags.Number(float, above=0), default=30.0,
                         help="Cancel a stream and reconnect when its env server sends no step "
                              "for this long (a server that went silent). Only the wait for the "
                              "server counts, not inference or the learner queue: set it above "
@@ -232,10 +213,9 @@ def _address_count(flags):
 
 def learner_queue_size(flags):
     """batch_size by default. A stream hands its envs_per_stream rollouts over at once, so a
-    short queue blocks its actor thread until the learner has taken the rest; room for two
-    rounds of every stream's unroll (2 x num_actors x envs_per_stream, as MonoBeast's
-    --num_buffers) did not make the idle 2-core machine faster (against batch_size: CartPole
-    74,601 SPS against 77,524, Pong 1,060 against 1,042), and it lengthens the policy lag."""
+    short queue blocks its actor thread until the learner has taken the rest. A longer
+    queue (room for two rounds of every stream's unroll, as MonoBeast's --num_buffers) does
+    not make a run faster, and it lengthens the policy lag."""
     if flags.max_learner_queue_size is None:
         return flags.batch_size
     return flags.max_learner_queue_size
@@ -244,13 +224,10 @@ def learner_queue_size(flags):
 def local_torch_threads(kind, num_servers):
     """Intra-op threads of the learner process when it starts its own env servers.
 
-    Atari: every core, as MonoBeast's learner has: its learner step (the conv net, about
-    0.5 s on one core) is what the run waits for, and on 2 cores PolyBeast's Pong ran at
-    1,153 and 1,269 SPS with 2 threads against 1,071 and 1,103 with 1 (MonoBeast 1,328 and
-    1,361). Others: the cores the servers leave, at least 1. There inference is on the
-    critical path of every server's round trip, and OpenMP threads that wake for a small
-    forward pass cost more than they give (CartPole 62,629 and 61,219 SPS with 2 threads
-    against 77,491 and 72,576 with 1; MinAtar's small net level).
+    Atari: every core, as MonoBeast's learner has: its learner step (the conv net) is what
+    the run waits for. Others: the cores the servers leave, at least 1. There inference is
+    on the critical path of every server's round trip, and OpenMP threads that wake for a
+    small forward pass cost more than they give.
     """
     cores = beast_flags.default_num_torch_threads()
     if kind == "atari":
@@ -265,31 +242,19 @@ def check_flags(flags, info):
     inference_batch_size and learner_queue_size), so that a resume with another
     --num_actors or --batch_size does not inherit sizes derived from the old ones.
     """
-    problems = []
     default_layout(flags, info["kind"])
-    # Also for servers started elsewhere: the actors ask them for it (create_actor_pool).
-    if not 1 <= flags.envs_per_stream <= libpolybeast.MAX_ENVS_PER_STREAM:
-        problems.append(f"--envs_per_stream must be between 1 and "
-                        f"{libpolybeast.MAX_ENVS_PER_STREAM} (got {flags.envs_per_stream}).")
+    # --envs_per_stream's range also holds for servers started elsewhere: the actors ask
+    # them for it (create_actor_pool).
+    problems = beast_flags.range_problems(flags, make_parser())
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
     problems += _check_servers(flags) or _check_tls(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
         flags.num_torch_threads = local_torch_threads(info["kind"], flags.num_actors)
-    for name in ("num_actors", "num_inference_threads", "inference_torch_threads"):
-        if getattr(flags, name) < 1:
-            problems.append(f"--{name} must be at least 1 (got {getattr(flags, name)}).")
-    if flags.inference_batch_size is not None and flags.inference_batch_size < 1:
-        problems.append(f"--inference_batch_size must be at least 1 "
-                        f"(got {flags.inference_batch_size}).")
     if learner_queue_size(flags) < flags.batch_size:
         # The queue hands out batch_size rollouts at once: a shorter one never fills.
         problems.append(f"--max_learner_queue_size ({flags.max_learner_queue_size}) must be at "
                         f"least --batch_size ({flags.batch_size}).")
-    if not flags.connect_timeout_s > 0:
-        problems.append(f"--connect_timeout_s must be positive (got {flags.connect_timeout_s}).")
-    if not flags.stream_timeout_s > 0:
-        problems.append(f"--stream_timeout_s must be positive (got {flags.stream_timeout_s}).")
     return problems
 
 
@@ -313,12 +278,6 @@ def _check_servers(flags):
     if flags.pipes_basename is not None and not beast_flags.socket_path(flags.pipes_basename):
         return [f"--pipes_basename must be unix:PATH or raw:PATH (got {flags.pipes_basename!r}); "
                 "use --server_addresses HOST:PORT,... for TCP."]
-    if (flags.pipes_basename is not None and "local_transport" in flags.given
-            and not flags.pipes_basename.startswith(TRANSPORT_SCHEMES[flags.local_transport])):
-        # The basename's scheme decides; a --local_transport that says otherwise is a mistake.
-        return [f"--pipes_basename {flags.pipes_basename} and --local_transport "
-                f"{flags.local_transport} disagree: the basename's scheme decides, so give "
-                f"{TRANSPORT_SCHEMES[flags.local_transport]}PATH or drop --local_transport."]
     if flags.pipes_basename is not None and flags.server_addresses is None:
         basename = flags.pipes_basename
         if not flags.no_start_servers:
@@ -389,8 +348,9 @@ class LocalEnvServers:
         if flags.pipes_basename is None:
             self.own_dir = tempfile.mkdtemp(prefix=f"polybeast-{os.getpid()}-",
                                             dir=socket_dir(num_servers))
-            scheme = TRANSPORT_SCHEMES[flags.local_transport]
-            self.pipes_basename = f"{scheme}{self.own_dir}/env"
+            # Raw messages on a unix socket: the actor threads read and write them
+            # themselves, with fewer hand-offs per round trip than gRPC's.
+            self.pipes_basename = f"raw:{self.own_dir}/env"
         else:
             self.pipes_basename = rank_basename(flags.pipes_basename, self.rank, world_size)
         self.addresses = [f"{self.pipes_basename}.{i}" for i in range(num_servers)]
@@ -526,7 +486,7 @@ class InferenceModels:
 
     def __init__(self, replicas, context=None):
         self.replicas = list(replicas)
-        self.context = context  # of the acting process; None: inference threads in this one
+        self.context = context  # of the acting process; None: threads of this process only
         for replica in self.replicas:
             # GPU memory needs nothing: a spawned child gets it through CUDA IPC as it is.
             if context is not None and next(replica.parameters()).device.type == "cpu":
@@ -576,11 +536,6 @@ class InferenceModels:
             return beast_models.act(self.replicas[index], inputs, core_state)
 
 
-def uses_acting_process(flags):
-    """--acting_process: on unless --no-acting_process."""
-    return flags.acting_process is not False
-
-
 def acting_context(flags, device):
     """The multiprocessing context that starts the acting process (--acting_start_method)."""
     if flags.acting_start_method is not None:
@@ -592,7 +547,7 @@ def acting_model(flags, info, model):
     """One replica of the model per inference thread, on the learner's device, in
     --acting_precision."""
     device = next(model.parameters()).device
-    context = acting_context(flags, device) if uses_acting_process(flags) else None
+    context = acting_context(flags, device)
     if context is FORK and device.type != "cpu":
         raise training.UserError(
             f"--acting_start_method fork with the learner on {device}: a forked process "
@@ -621,7 +576,7 @@ def inference(index, inference_batcher, models, schema, device, torch_threads=1)
     and the agent state arrays [layers, B, hidden]. obs[t] -> action[t]. Every
     output of the model goes back: each is a field of the rollout.
     """
-    training.set_intra_op_threads(torch_threads)
+    system.set_intra_op_threads(torch_threads)
     for batch in inference_batcher:
         env_outputs, agent_state = batch.get_inputs()
         check_env_outputs(schema, env_outputs)
@@ -741,39 +696,13 @@ def close_and_join(queues, threads):
                   file=sys.stderr)
 
 
-class ActingThreads:
-    """The actor pool and inference as threads of the learner's process
-    (--no-acting_process). Their errors are the run's (run.errors); nothing can kill
-    them alone, so they are never started again (env_errors_before is for the interface)."""
-
-    def __init__(self, run, models, addresses, env_errors_before=0):
-        self.learner_queue, self.queues, self.threads, actor_pool = start_acting(
-            run.errors, run.flags, run.schema, models, addresses, run.device)
-        self.env_errors = actor_pool.env_errors
-
-    def batches(self, device):
-        """(batch, initial_agent_state) for a learner thread: rollouts [T+1, B, ...] and the
-        core state before step 0 of each, [layers, B, hidden]. What the servers sent was
-        checked where it entered, at inference (check_env_outputs); the rest is our own
-        model's output."""
-        for rollouts, initial_agent_state in self.learner_queue:
-            yield ({k: to_torch(v, device) for k, v in rollouts.items()},
-                   tuple(to_torch(s, device) for s in initial_agent_state))
-
-    def check(self):
-        pass  # their errors and early ends are the run's: Run.supervise sees them
-
-    def close(self):
-        close_and_join(self.queues, [])  # the learner threads join the ones above
-
-
 class ActingProcess:
-    """The actor pool and inference in a process of their own (the default): forked from a
+    """The actor pool and inference in a process of their own: forked from a
     CPU learner, spawned beside a CUDA one, where it infers on the GPU (acting_context).
 
-    In the learner's process, inference waited on the learner thread's locks, the GIL
-    and (on Atari) the one malloc arena the learner keeps (training.reuse_freed_memory),
-    and a tenth of 2 cores idled on Pong (README, Performance). Here it shares neither.
+    In the learner's process, inference would wait on the learner thread's locks, the GIL
+    and (on Atari) the one malloc arena the learner keeps (system.reuse_freed_memory).
+    Here it shares neither.
     The acting model's replicas are in shared memory, written by the learner under
     cross-process locks (InferenceModels). Each batch of rollouts reaches the learner in
     one of num_learner_threads shared-memory slots: the acting process fills a free slot
@@ -889,8 +818,8 @@ def act(flags, schema, models, addresses, slots, free_reader, full_writer, error
     """The acting process's main thread: starts the actor pool, inference (on device, the
     learner's) and the thread that fills the slots, then watches them until the learner asks
     it to stop, the learner is gone, or one of them fails (its message goes to the learner)."""
-    training.leave_stop_signals_to_the_learner()
-    training.name_os_thread("acting")
+    system.leave_stop_signals_to_the_learner()
+    system.name_os_thread("acting")
     torch.set_num_threads(1)
     errors = training.ThreadErrors()
     learner_queue, queues, threads, actor_pool = start_acting(
@@ -932,7 +861,7 @@ def fill_slots(learner_queue, slots, free_reader, full_writer, stopping):
     """Copies each batch of the learner queue into a free slot and sends its index. A free
     slot first: the learner queue keeps the next batch meanwhile, so that batches are not
     taken from it earlier than the learner can use them."""
-    training.set_intra_op_threads(1)
+    system.set_intra_op_threads(1)
     batches = iter(learner_queue)
     while True:
         index = _next_free(free_reader, stopping)
@@ -974,10 +903,9 @@ def train_loop(run, models, servers):
             print(f"warning: the env servers at {', '.join(remote)} are reached over the "
                   "network; the traffic is neither authenticated nor encrypted (see --tls_ca).",
                   file=sys.stderr)
-    kind = ActingProcess if uses_acting_process(flags) else ActingThreads
     policy, env_errors = restarts.RestartPolicy(), 0
     while True:
-        acting = kind(run, models, addresses, env_errors)
+        acting = ActingProcess(run, models, addresses, env_errors)
         died = None
         try:
             learn_while_acting(run, acting, servers)

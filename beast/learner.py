@@ -11,10 +11,14 @@ agent-side tensors are cut to [:-1] and environment-side tensors to [1:].
 import contextlib
 import dataclasses
 import math
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
 
+from beast import distributed
+from beast import rollout
 from beast import vtrace
 
 
@@ -90,14 +94,10 @@ def pg_loss(flags, inputs):
     """
     returns = inputs.vtrace_returns
     advantages = returns.pg_advantages
-    eps = _pg_clip(flags)
+    eps = flags.pg_clip
     if eps > 0:
         advantages = trust_region(advantages, returns.log_rhos, eps)
     return -(returns.target_action_log_probs * advantages).sum()
-
-
-def _pg_clip(flags):
-    return getattr(flags, "pg_clip", None) or 0.0  # None: flags made without env defaults
 
 
 def outside_trust_region(advantages, log_rhos, eps):
@@ -163,7 +163,7 @@ def _transitions(flags, batch, values):
     """(rewards, discounts), float32 [T, B] each, of the T transitions of a batch;
     values: float32 [T, B], V(x_t)."""
     rewards = batch["reward"][1:].float()
-    scale = getattr(flags, "reward_scale", 1.0)
+    scale = flags.reward_scale
     if scale != 1.0:  # skipped at 1, so that unscaled runs pay nothing for it
         rewards = rewards * scale
     rewards = clip_rewards(rewards, flags.reward_clipping)
@@ -209,9 +209,8 @@ def compute_loss(flags, learner_outputs, batch):
     """The V-trace actor-critic loss for one batch: the sum of LOSS_TERMS.
 
     Args:
-      flags: needs discounting, reward_clipping, reward_scale (1 when missing) and
-        whatever the terms read
-        (baseline_cost, entropy_cost for the default ones).
+      flags: needs discounting, reward_clipping, reward_scale, pg_clip and whatever the
+        terms read (baseline_cost, entropy_cost for the default ones).
       learner_outputs: dict of the learner's forward pass over the whole
         rollout: policy_logits float32 [T+1, B, A], baseline float32 [T+1, B];
         other keys are passed on to the terms.
@@ -246,7 +245,7 @@ def compute_loss(flags, learner_outputs, batch):
     total_loss = sum(losses.values())
     stats = {"total_loss": total_loss.detach()}
     stats.update((name, loss.detach()) for name, loss in losses.items())
-    eps = _pg_clip(flags)
+    eps = flags.pg_clip
     if eps > 0:
         # How often the trust region binds: the share of the batch's samples it stopped
         # (pg_loss found the same mask; recomputing it costs a few elementwise ops on T x B).
@@ -279,8 +278,8 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     """One optimisation step on one batch.
 
     Args:
-      flags: needs grad_norm_clipping, optionally precision ("fp32" or
-        "bf16"), and what compute_loss needs.
+      flags: needs grad_norm_clipping, precision ("fp32" or "bf16") and what
+        compute_loss needs.
       model: the learner's model (on the learner device); model(batch, state)
         returns (outputs dict of [T+1, B, ...] tensors, new core state).
       optimizer, scheduler: a torch optimizer over model's parameters and its
@@ -299,7 +298,7 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
       weights and optimizer state were left as they were, else 0.0).
     """
     device = next(model.parameters()).device
-    with autocast_context(device, getattr(flags, "precision", "fp32")):
+    with autocast_context(device, flags.precision):
         learner_outputs, _ = model(batch, initial_agent_state)
     learner_outputs = {k: v.float() if v.is_floating_point() else v
                        for k, v in learner_outputs.items()}
@@ -324,30 +323,66 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     return {k: float(v) for k, v in stats.items()}
 
 
-def create_optimizer(flags, model, world_size=1):
-    """RMSprop, as TorchBeast uses it (step size and epsilon from the flags), with a learning
-    rate that decays linearly to zero at total_steps (the steps of all world_size learner
-    ranks)."""
-    optimizer = torch.optim.RMSprop(
-        model.parameters(),
-        lr=flags.learning_rate,
-        momentum=flags.momentum,
-        eps=flags.epsilon,
-        alpha=flags.alpha,
-    )
-    steps_per_update = flags.unroll_length * flags.batch_size * world_size
+# The flags that the optimizer and its schedule read: RMSprop's hyperparameters (by their
+# names in its param_groups) and the schedule's (lr_factor). On a resume each takes effect as
+# the flags say, typed or saved (create_optimizer); so does --grad_norm_clipping, which
+# learn_step reads at every step.
+RMSPROP_FLAGS = {"lr": "learning_rate", "alpha": "alpha", "momentum": "momentum",
+                 "eps": "epsilon"}
+SCHEDULE_FLAGS = ("learning_rate", "lr_warmup_steps", "total_steps")
 
-    warmup = getattr(flags, "lr_warmup_steps", 0)
 
-    def lr_lambda(update):
-        steps = update * steps_per_update
-        decay = max(0.0, 1.0 - min(steps, flags.total_steps) / flags.total_steps)
+def lr_factor(flags, step, steps_per_update):
+    """The learning-rate schedule: the factor of --learning_rate for the update that starts
+    at environment step `step` (of all learner ranks) and makes `steps_per_update` steps.
+
+    A linear decay to 0 at --total_steps, times a linear warm-up over --lr_warmup_steps.
+    It is a function of the step counter and the flags alone, so a resumed run follows the
+    schedule of the flags it resumes with: resumed with a longer --total_steps, its rate at
+    step s is learning_rate x (1 - s / total_steps) for the new total, the rate of a run
+    started with that total, and it decays linearly from there to 0 at the new total. That
+    rate is higher than the one before the resume (a jump up, since the old horizon was
+    nearer); with a shorter --total_steps it is lower, or 0 past the new total.
+    """
+    decay = max(0.0, 1.0 - min(step, flags.total_steps) / flags.total_steps)
+    if flags.lr_warmup_steps > 0:
         # RMSprop's running mean of squared gradients starts at zero, so its first steps are
         # up to 10x the learning rate per parameter (no bias correction); a warm-up keeps
-        # them from throwing the young policy into a deterministic corner.
-        return decay * min(1.0, (steps + steps_per_update) / warmup) if warmup > 0 else decay
+        # them from throwing the young policy into a deterministic corner. The update is
+        # counted at its end, so that the first one does not stand still.
+        decay *= min(1.0, (step + steps_per_update) / flags.lr_warmup_steps)
+    return decay
+
+
+def create_optimizer(flags, model, world_size=1, checkpoint=None):
+    """RMSprop, as TorchBeast uses it, with the learning rate of lr_factor.
+
+    Args:
+      flags: reads RMSPROP_FLAGS' and SCHEDULE_FLAGS' flags, unroll_length and batch_size.
+      model: the learner's model, whose parameters it optimizes.
+      world_size: the number of learner ranks, each of which makes the same updates.
+      checkpoint: on a resume, the checkpoint dict: RMSprop's state (its running mean
+        squares, momentum buffers) comes from its optimizer_state_dict, and the schedule
+        starts at its step. The hyperparameters are the flags', not the checkpoint's, so a
+        flag typed on the resume takes effect and flags.json records what is used.
+    Returns (optimizer, scheduler); the scheduler is stepped once per update.
+    """
+    optimizer = torch.optim.RMSprop(
+        model.parameters(), **{name: getattr(flags, flag) for name, flag in RMSPROP_FLAGS.items()})
+    start_step = 0 if checkpoint is None else int(checkpoint["step"])
+
+    def lr_lambda(update):
+        steps_per_update = flags.unroll_length * flags.batch_size * world_size
+        return lr_factor(flags, start_step + update * steps_per_update, steps_per_update)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        # load_state_dict brought the checkpoint's hyperparameters back: the flags' win.
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group.update({name: getattr(flags, flag) for name, flag in RMSPROP_FLAGS.items()})
+            group["initial_lr"] = flags.learning_rate
+            group["lr"] = lr
     return optimizer, scheduler
 
 
@@ -361,3 +396,106 @@ def episode_stats(batch):
     returns = batch["episode_return"][1:][game_over]
     lengths = batch["episode_step"][1:][game_over]
     return returns.tolist(), lengths.tolist()
+
+
+# ----------------------------------------------------------------------------
+# The learner: the model, its optimizer and the step counter.
+
+class Learner:
+    """The model being trained, its optimizer and schedule, and the step counter; one lock.
+
+    update() is one learner step; afterwards the acting model (MonoBeast's
+    shared-memory copy, PolyBeast's inference replicas) gets the new weights.
+    With several learner ranks, the gradients are averaged over them and the step
+    counter counts every rank's steps (each rank makes the same number of updates).
+    """
+
+    def __init__(self, flags, model, acting_model, checkpoint=None, ranks=None):
+        self.flags = flags
+        self.model = model
+        self.acting_model = acting_model
+        self.ranks = ranks or distributed.Single()
+        # On a resume: RMSprop's state and the step from the checkpoint, every
+        # hyperparameter from the flags (create_optimizer).
+        self.optimizer, self.scheduler = create_optimizer(flags, model, self.ranks.world_size,
+                                                          checkpoint)
+        self.step = 0
+        self.skipped_updates = 0  # non-finite updates, all told
+        self.skipped_in_a_row = 0
+        self.lock = threading.Lock()
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model_state_dict"])
+            self.step = int(checkpoint["step"])
+        if self.ranks.is_distributed:
+            # The same starting weights on every rank, whatever its seed.
+            model.load_state_dict(self.ranks.share(self.weights()))
+        # The step of the acting model's weights (rollout.POLICY_STEP), beside its
+        # state_dict so that checkpoints do not change; shared with MonoBeast's actors.
+        acting_model.weights_step = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._publish()
+
+    def publish(self):
+        """The weights to the acting model again (PolyBeast's new acting process)."""
+        with self.lock:
+            self._publish()
+
+    def _publish(self):
+        """The new weights to the acting model, then their step."""
+        self.acting_model.load_state_dict(self.model.state_dict())
+        self.acting_model.weights_step.fill_(self.step)
+
+    def update(self, batch, initial_agent_state):
+        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
+
+        An update whose loss or gradient is not finite is skipped and counted
+        (skipped_in_a_row); Run.learn decides when that ends the run. Returns (step, None)
+        without an update once total_steps is reached (another learner thread got there
+        first: with several ranks, an extra update would wait forever for the others).
+        """
+        with self.lock:
+            if self.step >= self.flags.total_steps:
+                return self.step, None
+            average = self.ranks.average_gradients if self.ranks.is_distributed else None
+            stats = learn_step(self.flags, self.model, self.optimizer, self.scheduler,
+                               batch, initial_agent_state, average)
+            steps_per_update = (self.flags.unroll_length * self.flags.batch_size *
+                                self.ranks.world_size)
+            stats["policy_lag"] = policy_lag(batch, self.step, steps_per_update)
+            self.step += steps_per_update
+            if stats["skipped_update"]:
+                self._skipped(stats)
+            else:
+                self.skipped_in_a_row = 0
+                self._publish()
+            stats["skipped_updates"] = self.skipped_updates
+            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+            return self.step, stats
+
+    def _skipped(self, stats):
+        self.skipped_updates += 1
+        self.skipped_in_a_row += 1
+        losses = ", ".join(f"{k} {v:.4g}" for k, v in stats.items() if "loss" in k)
+        print(f"warning: skipped the learner update at step {self.step}: the loss or its "
+              f"gradient is not finite ({losses}, grad_norm {stats['grad_norm']:.4g}).",
+              file=sys.stderr)
+
+    def weights(self):
+        """A CPU copy of the model's weights."""
+        with self.lock:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def state_dict(self):
+        """The learner's part of a checkpoint."""
+        with self.lock:
+            return dict(model_state_dict=self.model.state_dict(),
+                        optimizer_state_dict=self.optimizer.state_dict(),
+                        scheduler_state_dict=self.scheduler.state_dict(),
+                        step=self.step)
+
+
+def policy_lag(batch, step, steps_per_update):
+    """How many updates older than the learner's weights at `step` the weights that acted in
+    `batch` were, on average over its T transitions (the last of the T+1 steps only
+    bootstraps). 0 when every action came from the newest weights."""
+    acted = batch[rollout.POLICY_STEP.name][:-1].double().mean().item()
+    return (step - acted) / steps_per_update

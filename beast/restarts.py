@@ -59,3 +59,37 @@ def when_orphaned(parent_pid, action, poll_s=1.0, name="parent-watch"):
         action()
 
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+class ActorDied(RuntimeError):
+    """An actor process ended before it was told to (or hung, and was killed)."""
+
+    def __init__(self, index, exitcode, hung_s=None):
+        self.exitcode = exitcode
+        if hung_s is not None:
+            how = (f"had been stepping its environments for {hung_s:.0f} s without finishing "
+                   "a step (--actor_timeout_s), and was killed")
+        elif exitcode < 0:
+            how = how_it_ended(exitcode)
+        else:
+            how = f"died with exit code {exitcode}; its traceback is above"
+        super().__init__(f"Actor process {index} {how}.")
+
+
+def check_actors(actors):
+    """Raises ActorDied if an actor process has died."""
+    for i, process in enumerate(actors):
+        if process.exitcode not in (None, 0):
+            raise ActorDied(i, process.exitcode)
+
+
+def join_actors(actors, timeout_s=10.0):
+    """Waits for the actor processes to exit (they stop on the None in their queue, or when
+    the schedule closes); one that does not within timeout_s is killed (they ignore SIGTERM,
+    and one may be stuck on a lock that a dead actor held)."""
+    deadline = time.monotonic() + timeout_s
+    for process in actors:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)

@@ -294,3 +294,19 @@ class Schema:
                 raise ValueError(f"{where}: rollout field {name!r} is {dtype} "
                                  f"{tuple(value.shape[leading_dims:])} per step; the run expects "
                                  f"{f.dtype} {f.shape}")
+
+
+def select_batch(buffers, state_buffers, indices):
+    """Copies the rollouts of buffers `indices` (B of them, in this order) out of shared
+    memory: (batch dict of [T+1, B, ...] tensors, core state tuple of [L, B, H] tensors)."""
+    index = torch.tensor(indices)
+    batch = {k: v.index_select(1, index) for k, v in buffers.items()}
+    state = tuple(s.index_select(0, index).transpose(0, 1).contiguous() for s in state_buffers)
+    return batch, state
+
+
+def to_device(batch, state, device):
+    """A batch and its core state (select_batch) on `device`."""
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    state = tuple(s.to(device, non_blocking=True) for s in state)
+    return batch, state

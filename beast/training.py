@@ -5,24 +5,25 @@ produce rollouts and how they reach the learner threads. Everything around
 that is here, written once:
 
     main -> train(flags, variant)
-              prepare: flags checked, run directory, checkpoint to resume
-              Run: Learner (model, optimizer, step counter)
-                   TrainingStats (episode returns, logs.csv every --log_interval_steps)
-                   Evaluator (offline evaluation), the status line, checkpoints
-              variant.train_loop(run, ...): actors -> batches -> run.learner_thread
+              prepare_run: every flag checked, then the run directory; a resumed run's
+                   flags and checkpoint
+              run_training: the model, then a Run: learner.Learner (model, optimizer,
+                   step counter), TrainingStats (episode returns, logs.csv every
+                   --log_interval_steps), evaluation.Evaluator, the status line, checkpoints
+                 variant.train_loop(run, ...): actors -> batches -> run.learner_thread
                    while the main thread runs run.supervise (stop requests,
                    errors, status, checkpoints, evaluation)
-              the last checkpoint
+                 the last checkpoint
          -> test(flags, variant): play --test_episodes with the checkpoint
+
+The operating system's part (signals, thread names, malloc) is in beast/system.py.
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -34,12 +35,14 @@ import torch
 from beast import checkpoint as ckpt
 from beast import distributed
 from beast import envs
+from beast import evaluation
 from beast import flags as beast_flags
 from beast import learner
 from beast import machine
 from beast import models
 from beast import rollout
 from beast import runlog
+from beast import system
 from beast import video
 
 
@@ -77,38 +80,49 @@ class Variant:
 # ----------------------------------------------------------------------------
 # Set-up.
 
-def prepare(flags, check_flags=None, ranks=None):
-    """Resolves the run directory, saved flags and environment defaults, and
-    checks everything before any work starts.
+def prepare_run(flags, check_flags=None, ranks=None):
+    """Checks everything before any work starts, and only then creates the run directory:
+    a refused run writes nothing. Reads a resumed run's saved flags and checkpoint, fills
+    the environment's defaults and the variant's own (check_flags: fn(flags, info) -> list
+    of problems) and reports every problem at once.
 
-    Args:
-      check_flags: optional fn(flags, info) -> list of problems, which fills
-        the variant's own env-dependent flags and checks them.
-      ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
-        run directory and every rank gets its xpid, saved flags and checkpoint.
+    ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
+    run directory and every rank gets its xpid, saved flags and checkpoint.
     Returns (run_dir, info, checkpoint or None); a training's run_dir is locked
     (runlog.RunDir.lock) on rank 0 until run_dir.unlock() or the process ends.
     """
     ranks = ranks or distributed.Single()
-    # Nothing is created until every flag has been checked.
     run_dir = runlog.RunDir(flags.savedir, flags.xpid, create=False)
+    claim = ranks.is_main and flags.mode == "train"
     try:
-        return _prepare(flags, check_flags, ranks, run_dir)
+        run_dir, saved_flags, checkpoint = read_saved_run(flags, run_dir, ranks, claim)
+        flags.xpid = run_dir.xpid
+        if saved_flags is not None:
+            beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
+        info = check_flags_for_env(flags, check_flags, checkpoint)
+        if ranks.is_main:  # the others write nothing
+            run_dir.create()
+            if claim:
+                run_dir.lock()
+        return run_dir, info, checkpoint
+    except (runlog.RunDirError, ckpt.CheckpointError) as e:
+        run_dir.unlock()
+        raise UserError(str(e)) from None
     except BaseException:
         run_dir.unlock()
         raise
 
 
-def _prepare(flags, check_flags, ranks, run_dir):
+def read_saved_run(flags, run_dir, ranks, claim):
+    """(run_dir, saved flags, checkpoint) of the run at --xpid; (run_dir, None, None) for a
+    new run. A training claims an existing directory before reading it, so that a second
+    learner started on a running xpid stops here, having written nothing."""
     problem, saved = None, (run_dir.xpid, None, None)
-    # A training claims its directory before reading it, so that a second learner
-    # started on a running xpid stops here, having written nothing.
-    claim = ranks.is_main and flags.mode == "train"
     if ranks.is_main:
         try:
             if claim and os.path.isdir(run_dir.path):
                 run_dir.lock()
-            saved = (run_dir.xpid, *_saved_run(flags, run_dir))
+            saved = (run_dir.xpid, *_saved_flags_and_checkpoint(flags, run_dir))
         except (runlog.RunDirError, UserError) as e:
             problem = str(e)
     # One message on every rank, not rank 0's error and the others' hang.
@@ -117,43 +131,10 @@ def _prepare(flags, check_flags, ranks, run_dir):
         raise UserError(problem)
     if not ranks.is_main:
         run_dir = runlog.RunDir(flags.savedir, xpid, create=False)
-    flags.xpid = run_dir.xpid
-    if saved_flags is not None:
-        beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
-    try:
-        info = envs.env_info(flags)
-    except (ValueError, ImportError, TypeError, KeyError) as e:
-        raise UserError(str(e)) from None
-    beast_flags.apply_env_defaults(flags, info)
-    problems = list(check_flags(flags, info)) if check_flags else []
-    problems += video.render_problems(flags)  # before anything is written
-    problems += model_problems(flags, info)
-    if flags.num_torch_threads is None:
-        flags.num_torch_threads = beast_flags.default_num_torch_threads()
-    try:
-        beast_flags.validate_flags(flags, problems)
-        if checkpoint is not None:
-            ckpt.check_compatible(checkpoint["flags"], flags)
-        if ranks.is_main:  # the others write nothing
-            run_dir.create()
-            if claim:
-                run_dir.lock()
-    except (beast_flags.FlagError, ckpt.CheckpointError, runlog.RunDirError) as e:
-        raise UserError(str(e)) from None
-    return run_dir, info, checkpoint
+    return run_dir, saved_flags, checkpoint
 
 
-def model_problems(flags, info):
-    """--model names a network for one observation array. A Dict observation always gets
-    DictNet (beast/models.py), so asking for another is refused rather than ignored."""
-    if isinstance(info["observation_shape"], dict) and "model" in getattr(flags, "given", ()):
-        return [f"--model {flags.model}: {flags.env} has a Dict observation, which always gets "
-                "DictNet (beast/models.py: one encoder per entry, then the core); drop --model, "
-                "or edit DictNet."]
-    return []
-
-
-def _saved_run(flags, run_dir):
+def _saved_flags_and_checkpoint(flags, run_dir):
     """On a resume (or --mode test): the saved flags (they fill the flags not given) and
     the checkpoint; (None, None) for a new run."""
     if not os.path.exists(run_dir.checkpoint_path):
@@ -171,6 +152,43 @@ def _saved_run(flags, run_dir):
         raise UserError(str(e)) from None
 
 
+def check_flags_for_env(flags, check_flags, checkpoint):
+    """The environment's facts (envs.env_info), the defaults that depend on them, and every
+    problem with the flags, reported together; returns the facts."""
+    try:
+        info = envs.env_info(flags)
+    except (ValueError, ImportError, TypeError, KeyError) as e:
+        raise UserError(str(e)) from None
+    beast_flags.apply_env_defaults(flags, info)
+    problems = list(check_flags(flags, info)) if check_flags else []
+    problems += video.render_problems(flags)
+    if flags.num_torch_threads is None:
+        flags.num_torch_threads = beast_flags.default_num_torch_threads()
+    try:
+        beast_flags.validate_flags(flags, problems + model_problems(flags, info))
+        if checkpoint is not None:
+            ckpt.check_compatible(checkpoint["flags"], flags)
+    except beast_flags.FlagError as e:
+        raise UserError(str(e)) from None
+    return info
+
+
+def model_problems(flags, info):
+    """Whether the model of --model can be built for this environment, and whether its
+    outputs fit the rollout schema. A Dict observation always gets DictNet
+    (beast/models.py), so asking for another is refused rather than ignored."""
+    if isinstance(info["observation_shape"], dict) and "model" in flags.given:
+        return [f"--model {flags.model}: {flags.env} has a Dict observation, which always gets "
+                "DictNet (beast/models.py: one encoder per entry, then the core); drop --model, "
+                "or edit DictNet."]
+    try:
+        rollout.Schema.of(info["env_fields"], build_model(flags, info), info["num_actions"],
+                          info.get("continuous", False))
+    except (UserError, ValueError) as e:
+        return [str(e)]
+    return []
+
+
 def build_model(flags, info):
     try:
         # continuous only when it is: a create_model of (flags, shape, num_actions) still fits.
@@ -181,42 +199,6 @@ def build_model(flags, info):
         raise UserError(str(e)) from None
 
 
-# A second stop signal within this many seconds of the first is the same request delivered
-# twice, not a user insisting: GNU `timeout` signals its child and then the child's whole
-# process group, so `timeout 3600 python -m monobeast ...` delivers SIGTERM twice at once.
-REPEATED_SIGNAL_S = 2.0
-
-
-def install_signal_handlers():
-    """SIGTERM and SIGINT set an event; the main loop stops and checkpoints. Another one at
-    least REPEATED_SIGNAL_S later (a second Ctrl-C) stops at once, without the checkpoint."""
-    stop = threading.Event()
-    first = []  # monotonic time of the first signal
-
-    def handler(signum, frame):
-        now = time.monotonic()
-        if not first:
-            first.append(now)
-            stop.set()
-        elif now - first[0] >= REPEATED_SIGNAL_S:  # a second Ctrl-C: stop at once
-            raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-    return stop
-
-
-def leave_stop_signals_to_the_learner():
-    """In a child of the learner (MonoBeast's actors, PolyBeast's acting process, forked or spawned):
-    Ctrl-C, and the SIGTERM that timeout(1) or Slurm send, go to the whole process group, and
-    the learner checkpoints and then stops its children. Ignored rather than left to the
-    handler above, which the fork copied: that one swallowed Process.terminate() and turned a
-    second signal into a KeyboardInterrupt traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def select_device(flags):
     use_cuda = torch.cuda.is_available() and not flags.disable_cuda
     return torch.device("cuda" if use_cuda else "cpu")
@@ -225,103 +207,11 @@ def select_device(flags):
 # ----------------------------------------------------------------------------
 # The learner and the run's statistics.
 
-class Learner:
-    """The model being trained, its optimizer and schedule, and the step counter; one lock.
-
-    update() is one learner step; afterwards the acting model (MonoBeast's
-    shared-memory copy, PolyBeast's inference replicas) gets the new weights.
-    With several learner ranks, the gradients are averaged over them and the step
-    counter counts every rank's steps (each rank makes the same number of updates).
-    """
-
-    def __init__(self, flags, model, acting_model, checkpoint=None, ranks=None):
-        self.flags = flags
-        self.model = model
-        self.acting_model = acting_model
-        self.ranks = ranks or distributed.Single()
-        self.optimizer, self.scheduler = learner.create_optimizer(flags, model,
-                                                                  self.ranks.world_size)
-        self.step = 0
-        self.skipped_updates = 0  # non-finite updates, all told
-        self.skipped_in_a_row = 0
-        self.lock = threading.Lock()
-        if checkpoint is not None:
-            model.load_state_dict(checkpoint["model_state_dict"])
-            self.optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
-            self.scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
-            self.step = int(checkpoint["step"])
-        if self.ranks.is_distributed:
-            # The same starting weights on every rank, whatever its seed.
-            model.load_state_dict(self.ranks.share(self.weights()))
-        # The step of the acting model's weights (rollout.POLICY_STEP), beside its
-        # state_dict so that checkpoints do not change; shared with MonoBeast's actors.
-        acting_model.weights_step = torch.zeros((), dtype=torch.int64).share_memory_()
-        self._publish()
-
-    def publish(self):
-        """The weights to the acting model again (PolyBeast's new acting process)."""
-        with self.lock:
-            self._publish()
-
-    def _publish(self):
-        """The new weights to the acting model, then their step."""
-        self.acting_model.load_state_dict(self.model.state_dict())
-        self.acting_model.weights_step.fill_(self.step)
-
-    def update(self, batch, initial_agent_state):
-        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
-
-        An update whose loss or gradient is not finite is skipped and counted
-        (skipped_in_a_row); Run.learn decides when that ends the run. Returns (step, None)
-        without an update once total_steps is reached (another learner thread got there
-        first: with several ranks, an extra update would wait forever for the others).
-        """
-        with self.lock:
-            if self.step >= self.flags.total_steps:
-                return self.step, None
-            average = self.ranks.average_gradients if self.ranks.is_distributed else None
-            stats = learner.learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                                       batch, initial_agent_state, average)
-            steps_per_update = (self.flags.unroll_length * self.flags.batch_size *
-                                self.ranks.world_size)
-            stats["policy_lag"] = policy_lag(batch, self.step, steps_per_update)
-            self.step += steps_per_update
-            if stats["skipped_update"]:
-                self._skipped(stats)
-            else:
-                self.skipped_in_a_row = 0
-                self._publish()
-            stats["skipped_updates"] = self.skipped_updates
-            stats["learning_rate"] = self.scheduler.get_last_lr()[0]
-            return self.step, stats
-
-    def _skipped(self, stats):
-        self.skipped_updates += 1
-        self.skipped_in_a_row += 1
-        losses = ", ".join(f"{k} {v:.4g}" for k, v in stats.items() if "loss" in k)
-        print(f"warning: skipped the learner update at step {self.step}: the loss or its "
-              f"gradient is not finite ({losses}, grad_norm {stats['grad_norm']:.4g}).",
-              file=sys.stderr)
-
-    def weights(self):
-        """A CPU copy of the model's weights."""
-        with self.lock:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-
-    def state_dict(self):
-        """The learner's part of a checkpoint."""
-        with self.lock:
-            return dict(model_state_dict=self.model.state_dict(),
-                        optimizer_state_dict=self.optimizer.state_dict(),
-                        scheduler_state_dict=self.scheduler.state_dict(),
-                        step=self.step)
-
-
 def build_acting_model(flags, info, device="cpu"):
-    """A fresh model for acting, on `device`, in --acting_precision (fp32 for the flags of
-    a run saved before it existed); the learner's weights reach it in Learner._publish."""
-    precision = getattr(flags, "acting_precision", None) or "fp32"
-    return models.to_acting_precision(build_model(flags, info).to(device), precision)
+    """A fresh model for acting, on `device`, in --acting_precision; the learner's weights
+    reach it in Learner._publish."""
+    return models.to_acting_precision(build_model(flags, info).to(device),
+                                      flags.acting_precision)
 
 
 def weights_step(acting_model):
@@ -329,14 +219,6 @@ def weights_step(acting_model):
     no learner writes to."""
     step = getattr(acting_model, "weights_step", None)
     return 0 if step is None else int(step)
-
-
-def policy_lag(batch, step, steps_per_update):
-    """How many updates older than the learner's weights at `step` the weights that acted in
-    `batch` were, on average over its T transitions (the last of the T+1 steps only
-    bootstraps). 0 when every action came from the newest weights."""
-    acted = batch[rollout.POLICY_STEP.name][:-1].double().mean().item()
-    return (step - acted) / steps_per_update
 
 
 class TrainingStats:
@@ -417,65 +299,6 @@ class TrainingStats:
                 self.logger.log(step, stats)
 
 
-def set_intra_op_threads(n):
-    """Gives the calling thread n intra-op threads for its own parallel ops.
-
-    With OpenMP the count is per thread, and a thread takes its count lazily, at its
-    first parallel op or get_num_threads(), from the value that any thread set LAST: a
-    set_num_threads() in a new thread that has not yet asked is overwritten by that lazy
-    start, so its parallel ops run on the process-wide count after all. Asking first
-    makes the thread's own setting stick."""
-    torch.get_num_threads()
-    torch.set_num_threads(n)
-
-
-# mallopt(3) parameters, from glibc's malloc.h.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
-
-
-def reuse_freed_memory():
-    """Makes glibc keep the memory a process frees for its next allocations, instead of
-    handing it back to the kernel. Call it before the threads that allocate start.
-
-    A learner step allocates and frees the activations and gradients of T x B frames, a few
-    hundred MB on Atari. glibc serves blocks that large with mmap and returns them with
-    munmap, so every step faults all of it in again, page by page: on 2 cores a fifth to a
-    quarter of a Pong learner step's CPU went to the kernel's page faults. One arena for
-    all threads (a thread's own arena cannot grow past 64 MB, so its large blocks are
-    always mmapped), blocks up to 1 GiB from that heap, and no trimming of its top: the
-    process stays at its peak size and reuses it. Only on Atari (keeps_freed_memory;
-    --malloc_release turns it off there too). The price: an inference thread in the same process
-    waits on the arena's lock while the learner holds it, which with the GIL left a tenth
-    of 2 cores idle on Pong (README, "That idle tenth on Pong, looked into"); PolyBeast's
-    acting process takes inference out of this process for that reason. Linux with
-    glibc only; elsewhere, or if mallopt refuses, nothing changes."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS has no mallopt)
-        return
-    mallopt(_M_ARENA_MAX, 1)
-    # glibc refuses a threshold above its limit (32 MiB in some versions): then take that.
-    if not mallopt(_M_MMAP_THRESHOLD, 1 << 30):
-        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
-    mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
-
-
-_PR_SET_NAME = 15  # prctl(2)
-
-
-def name_os_thread(name):
-    """Gives the calling thread `name` (its first 15 bytes) as its OS name, which top -H,
-    py-spy and bench.cpushare show: Python's thread names stay inside Python, so without this
-    every thread of a run is "python" and a profile cannot tell the learner from inference.
-    Linux only; elsewhere, or if prctl is missing, it does nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 class ThreadErrors:
     """The errors of a run's threads, kept for the main thread to raise (Run.supervise)."""
 
@@ -486,7 +309,7 @@ class ThreadErrors:
         """A daemon thread running target(*args); an exception is printed (a UserError only
         as its message, by the main thread), kept, and on_error() is called."""
         def run():
-            name_os_thread(name)
+            system.name_os_thread(name)
             try:
                 target(*args)
             except Exception as e:
@@ -526,14 +349,15 @@ class Run:
                                             info.get("continuous", False))
         except ValueError as e:
             raise UserError(str(e)) from None
-        self.learner = Learner(flags, model, acting_model, checkpoint, self.ranks)
+        self.learner = learner.Learner(flags, model, acting_model, checkpoint, self.ranks)
         if checkpoint is not None and self.ranks.is_main:
             print(f"Resuming {run_dir.path} from step {self.learner.step}.", file=sys.stderr)
         self.stats = TrainingStats(flags, logger, self.learner.step,
                                    checkpoint.get("episodes") if checkpoint else None)
         # Rank 0 alone evaluates, shows the status line and writes checkpoints.
-        self.evaluator = Evaluator(flags, info, self.learner.step, enabled=self.ranks.is_main,
-                                   videos_dir=run_dir.videos_dir)
+        self.evaluator = evaluation.Evaluator(
+            flags, lambda: build_model(flags, info), self.learner.step,
+            enabled=self.ranks.is_main, videos_dir=run_dir.videos_dir)
         self.status = (None if flags.no_progress or not self.ranks.is_main
                        else runlog.StatusLine(flags.total_steps))
         self.errors = ThreadErrors()
@@ -562,7 +386,7 @@ class Run:
     def learner_thread(self, batches):
         """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
         total_steps or the end of `batches`."""
-        set_intra_op_threads(self.flags.num_torch_threads)
+        system.set_intra_op_threads(self.flags.num_torch_threads)
         self.stats.learner_started()
         batches = iter(batches)
         while not self.done():
@@ -660,7 +484,11 @@ def train(flags, variant):
     """
     ranks = join_ranks(flags, variant)
     try:
-        run = _train(flags, variant, ranks)
+        run_dir, info, checkpoint = prepare_run(flags, variant.check_flags, ranks)
+        try:
+            run = run_training(flags, variant, ranks, run_dir, info, checkpoint)
+        finally:
+            run_dir.unlock()  # the directory is free for a resume once this run has ended
     except BaseException as e:
         ranks.ended(f"{type(e).__name__}: {e}".splitlines()[0])
         raise
@@ -684,38 +512,28 @@ def join_ranks(flags, variant):
         raise UserError(str(e)) from None
 
 
-def _train(flags, variant, ranks):
-    run_dir, info, checkpoint = prepare(flags, variant.check_flags, ranks)
-    try:
-        return _train_prepared(flags, variant, ranks, run_dir, info, checkpoint)
-    finally:
-        run_dir.unlock()  # the directory is free for a resume once this run has ended
-
-
-def keeps_freed_memory(flags, info):
-    """Whether the learner process keeps what it frees (reuse_freed_memory): on Atari, where
-    a step frees a few hundred MB (Pong: 8-13% more SPS on 2 cores). Elsewhere the blocks are
-    small and one arena for all threads costs more than it saves (MinAtar Freeway's
-    PolyBeast: about 9% fewer SPS), so glibc keeps its default there."""
-    return info["kind"] == "atari" and not flags.malloc_release
-
-
-def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
-    if keeps_freed_memory(flags, info):  # before the learner's threads start: they pick
-        reuse_freed_memory()             # their arena at their first allocation
+def run_training(flags, variant, ranks, run_dir, info, checkpoint):
+    """Builds the model and the Run, starts the variant's actors (variant.train_loop) and
+    returns once they stop; the last checkpoint is written whatever ended it."""
+    # Atari's learner step frees a few hundred MB that it allocates again at the next step;
+    # before the learner's threads start, which pick their malloc arena at their first
+    # allocation.
+    if info["kind"] == "atari":
+        system.reuse_freed_memory()
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)
     # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run through the
     # finally blocks, which also stop whatever the variant started.
-    stop = install_signal_handlers()
+    stop = system.install_signal_handlers()
     with variant.environments(flags) as environments:
         device = select_device(flags)  # after the servers' start: they boot meanwhile
         if ranks.is_main:
             runlog.write_metadata(run_dir, flags, dict(
                 world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
                 machine=machine.describe(device)))
-        with (runlog.StatsLogger(run_dir, flags=flags) if ranks.is_main
+        resume_step = None if checkpoint is None else checkpoint["step"]
+        with (runlog.StatsLogger(run_dir, flags=flags, start_step=resume_step) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:
             model = build_model(flags, info).to(device)
             acting_model = variant.acting_model(flags, info, model)
@@ -727,15 +545,22 @@ def _train_prepared(flags, variant, ranks, run_dir, info, checkpoint):
                 run.evaluator.run_pending(run.stats)  # the last snapshot, if training outran it
             finally:
                 run.close()
+    report_end(run, ranks)
+    return run
+
+
+def report_end(run, ranks):
+    """One line on how the run ended; a last checkpoint that could not be written is an
+    error that says how to resume."""
+    flags = run.flags
     if run.checkpoint_error is not None:
         raise UserError(f"{run.checkpoint_error}. Training stopped at step {run.learner.step}; "
                         f"{run.on_disk()}. Once the directory can be written again (free "
                         f"space, raise the quota), the same command with --xpid {flags.xpid} "
                         "resumes from there.")
-    where = f"Run saved in {run_dir.path}" if ranks.is_main else ranks.name(ranks.rank)
+    where = f"Run saved in {run.run_dir.path}" if ranks.is_main else ranks.name(ranks.rank)
     print(f"Trained to step {run.learner.step}; mean episode return "
           f"{run.stats.episodes.mean_return():.2f}. {where}", file=sys.stderr)
-    return run
 
 
 class RankLogger:
@@ -754,118 +579,12 @@ class RankLogger:
 
 
 # ----------------------------------------------------------------------------
-# Evaluation and --mode test.
-
-def play_episodes(flags, model, num_episodes, seed, video_paths=()):
-    """Plays whole games with `model` on a fresh environment; returns their returns.
-
-    With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
-    of the policy), as TorchBeast's test mode does; with sample, in train mode.
-    video_paths: MP4 files for the screens of the first games (beast/video.py).
-    A game longer than --eval_max_steps is stopped there and counts with its return so far,
-    with a warning: a greedy policy can play some games without end (MinAtar's have no time
-    limit), and an evaluation that never ends would never be logged.
-    """
-    env = envs.RolloutAdapter(video.create_env(flags, video_paths), seed=seed)
-    model.train(flags.eval_policy == "sample")
-    max_steps = getattr(flags, "eval_max_steps", 0)
-    returns = []
-    try:
-        env_output = env.initial()
-        state = model.initial_state(1)
-        while len(returns) < num_episodes:
-            inputs = {k: torch.as_tensor(np.asarray(v)).view(1, 1, *np.shape(v))
-                      for k, v in env_output.items()}
-            with torch.no_grad():
-                output, state = model(inputs, state)
-            env_output = env.step(output["action"][0, 0].numpy())  # an int64, or float32 [A]
-            if env_output["game_over"]:
-                returns.append(float(env_output["episode_return"]))
-            elif 0 < max_steps <= env_output["episode_step"]:
-                returns.append(float(env_output["episode_return"]))
-                print(f"warning: game {len(returns)} stopped at --eval_max_steps "
-                      f"{max_steps:,}, with a return of {returns[-1]:g} so far.",
-                      file=sys.stderr)
-                env_output = env.initial()
-                state = model.initial_state(1)
-    finally:
-        env.close()
-    return returns
-
-
-class Evaluator:
-    """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
-    episodes on separate environments, logged apart from training episodes; every
-    --eval_video_interval_steps, one game recorded as an MP4 (beast/video.py).
-
-    A learner thread takes a snapshot of the weights when a step crosses the
-    interval (snapshot_if_due); the main thread plays the episodes later
-    (run_pending), so learning never waits for them and no evaluation is
-    skipped however fast training runs.
-    """
-
-    def __init__(self, flags, info, start_step, enabled=True, videos_dir=None):
-        self.flags = flags
-        self.info = info
-        self.videos_dir = videos_dir
-        # Two schedules, evaluations and videos (--eval_video_interval_steps: one recorded
-        # game, in videos_dir); a snapshot serves whichever is due. An interval of 0 is off.
-        self.intervals = (flags.eval_interval_steps,
-                          flags.eval_video_interval_steps if videos_dir else 0)
-        self.enabled = enabled and any(i > 0 for i in self.intervals)
-        self.next_steps = [start_step + i if i > 0 else float("inf") for i in self.intervals]
-        self.model = None
-        self.lock = threading.Lock()
-        # (step, weights, evaluate, record) waiting to be played, oldest first. GUARDED_BY(lock)
-        self.pending = []
-        self.count = 0
-
-    def snapshot_if_due(self, step, learner_):
-        if not self.enabled or step < min(self.next_steps):
-            return
-        with self.lock:
-            due = [step >= next_step for next_step in self.next_steps]
-            if not any(due):  # another learner thread took it
-                return
-            for k, interval in enumerate(self.intervals):
-                while self.next_steps[k] <= step:
-                    self.next_steps[k] += interval
-        weights = learner_.weights()
-        with self.lock:
-            # A few at most: if playing falls far behind, the oldest go unplayed.
-            self.pending = self.pending[-3:] + [(step, weights, *due)]
-
-    def run_pending(self, stats):
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for step, weights, evaluate, record in pending:
-            if self.model is None:
-                self.model = build_model(self.flags, self.info)
-            self.model.load_state_dict(weights)
-            self.count += 1
-            paths = [video.path_for_eval(self.videos_dir, step)] if record else []
-            # A video alone is one game; with an evaluation, its first game.
-            games = self.flags.eval_episodes if evaluate else 1
-            seed = 10_000_000 + self.count
-            try:
-                returns = play_episodes(self.flags, self.model, games, seed, video_paths=paths)
-            except video.VideoError as e:  # a full disk, say: no reason to end the run
-                print(f"warning: {e}. Training goes on.", file=sys.stderr)
-                if not evaluate:
-                    continue
-                paths = []
-                returns = play_episodes(self.flags, self.model, games, seed)
-            row = {"video_episode_return": returns[0]} if paths else {}
-            if evaluate:
-                row.update(eval_mean_episode_return=float(np.mean(returns)),
-                           eval_episodes=len(returns), eval_policy=self.flags.eval_policy)
-            stats.log(step, row, videos={"eval_video": paths[0]} if paths else None)
-
+# --mode test.
 
 def test(flags, variant):
     if distributed.env_rank()[1] > 1:
         raise UserError("--mode test plays on one process: run it without torchrun.")
-    run_dir, info, checkpoint = prepare(flags, variant.check_flags)
+    run_dir, info, checkpoint = prepare_run(flags, variant.check_flags)
     torch.set_num_threads(flags.num_torch_threads)
     model = build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])
@@ -873,7 +592,8 @@ def test(flags, variant):
              if flags.record_video else [])
     seed = flags.seed + 12345
     try:
-        returns = play_episodes(flags, model, flags.test_episodes, seed=seed, video_paths=paths)
+        returns = evaluation.play_episodes(flags, model, flags.test_episodes, seed=seed,
+                                           video_paths=paths)
     except video.VideoError as e:
         raise UserError(f"{e}; videos finished before it stay in "
                         f"{run_dir.videos_dir}.") from None

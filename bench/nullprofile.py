@@ -1,6 +1,6 @@
 """Where the time of a null-environment step goes.
 
-MonoBeast: its own pieces (monobeast.Sampler, get_batch, training.Learner.update)
+MonoBeast: its own pieces (monobeast.Sampler, get_batch, learner.Learner.update)
 run in this process on Null-v0 with the tiny MLP, with one intra-op thread, each
 part timed with perf_counter accumulators that wrap the methods of these
 objects (nothing in the repo is changed). Every cost is given in microseconds
@@ -220,7 +220,7 @@ def _learner_step(flags, info, buffers, state_buffers, acc):
     B = flags.batch_size
     actor_model = training.build_model(flags, info)
     learner_model = training.build_model(flags, info)
-    run_learner = training.Learner(flags, learner_model, actor_model)
+    run_learner = learner.Learner(flags, learner_model, actor_model)
     run_stats = training.TrainingStats(flags, _NullLogger(), 0)
     actor_model.load_state_dict = acc.wrap("publish", actor_model.load_state_dict)
 

@@ -63,30 +63,17 @@ def _pong_workloads():
           ["--acting_precision", "bf16"]),
         W("mono-pong-all-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
           ["--precision", "bf16", "--acting_precision", "bf16"]),
-        # The learner handing freed memory back to the kernel, as it did before 2026-11-26
-        # (README, "Memory a learner step frees").
-        W("mono-pong-malloc-release", "monobeast", "ALE/Pong-v5",
-          "repo defaults, --malloc_release", ["--malloc_release"]),
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
           ["--env_backend", "envpool"]),
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
           ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
-        # Actor threads and inference in the learner's process, as before 2026-11-26's
-        # acting process (README, "The acting process").
-        W("poly-pong-threads", "polybeast", "ALE/Pong-v5",
-          "repo defaults, --no-acting_process", ["--no-acting_process"]),
-        # The same over gRPC instead of the raw transport (README, "The raw transport").
-        W("poly-pong-grpc", "polybeast", "ALE/Pong-v5", "repo defaults, gRPC to local servers",
-          ["--local_transport", "grpc"]),
         W("poly-pong-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 learner",
           ["--precision", "bf16"]),
         W("poly-pong-acting-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 inference",
           ["--acting_precision", "bf16"]),
         W("poly-pong-all-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
           ["--precision", "bf16", "--acting_precision", "bf16"]),
-        W("poly-pong-malloc-release", "polybeast", "ALE/Pong-v5",
-          "repo defaults, --malloc_release", ["--malloc_release"]),
     ]
 
 
@@ -97,10 +84,6 @@ def _other_workloads():
         W("mono-cartpole-deterministic", "monobeast", "CartPole-v1",
           "repo defaults, --deterministic", ["--deterministic"]),
         W("poly-cartpole", "polybeast", "CartPole-v1", "repo defaults", []),
-        W("poly-cartpole-threads", "polybeast", "CartPole-v1",
-          "repo defaults, --no-acting_process", ["--no-acting_process"]),
-        W("poly-cartpole-grpc", "polybeast", "CartPole-v1", "repo defaults, gRPC to local servers",
-          ["--local_transport", "grpc"]),
         # MinAtar's 10x10 frames: the ResNet (the default for small images) beside the
         # MinAtar paper's one-conv net, which does a fraction of its work per frame.
         W("mono-minatar", "monobeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
@@ -111,12 +94,10 @@ def _other_workloads():
         W("poly-minatar", "polybeast", "MinAtar/Breakout-v1", "repo defaults (ResNet)", []),
         W("poly-minatar-acting-bf16", "polybeast", "MinAtar/Breakout-v1",
           "repo defaults (ResNet), bf16 inference", ["--acting_precision", "bf16"]),
-        W("poly-minatar-threads", "polybeast", "MinAtar/Breakout-v1",
-          "repo defaults (ResNet), --no-acting_process", ["--no-acting_process"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
-        # One environment per actor / stream, as TorchBeast does: the overhead per step
-        # where this work started, measured beside today's defaults.
+        # One environment per actor / stream, as TorchBeast does, beside the defaults: what
+        # stepping several environments per forward pass saves in overhead per step.
         W("mono-null-1env", "monobeast", "Null-v0", "MLP 8, one env per actor",
           ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
         W("mono-null", "monobeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
@@ -347,14 +328,14 @@ def bound_of(ceil, workload, cores):
     itself, and the bound stays a bound when the load drops during the e2e runs.
     """
     flags = workload.flags
-    if getattr(flags, "env_backend", "gymnasium") == "envpool":
+    if flags.env_backend == "envpool":
         label, num_envs, batch, threads = envpool_cases(cores)[0]
         env_s = ceil.envpool(workload.env, num_envs, batch, threads)["core_us"] / 1e6
     else:
         env_s = 1.0 / ceil.env(workload.env)["max"]
     inference_s = ceil.inference(workload.net, workload.inference_batch)["min"] \
         / workload.inference_batch
-    learner_r = ceil.learner(workload.net, getattr(flags, "precision", "fp32"), 1,
+    learner_r = ceil.learner(workload.net, flags.precision, 1,
                              flags.unroll_length, flags.batch_size)
     learner_s = learner_r["min"] / (flags.unroll_length * flags.batch_size)
     cost = env_s + inference_s + learner_s

@@ -1,6 +1,6 @@
 """--deterministic: MonoBeast runs with actor processes that reproduce exactly.
 
-The schedule (monobeast.Lockstep) is checked on its own, for many layouts of actors,
+The schedule (beast/lockstep.py) is checked on its own, for many layouts of actors,
 environments and batch sizes; then two short CartPole runs with 2 actors must write the
 same logs.csv, losses included.
 """
@@ -19,6 +19,7 @@ from torch import multiprocessing as mp
 
 import monobeast
 from beast import checkpoint as ckpt
+from beast import lockstep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,8 +33,8 @@ LOSS_COLUMNS = ("total_loss", "pg_loss", "baseline_loss", "entropy_loss")
 def make_lockstep(num_actors, envs_per_actor, batch_size, num_buffers=None):
     flags = argparse.Namespace(num_actors=num_actors, envs_per_actor=envs_per_actor,
                                batch_size=batch_size, num_buffers=None)
-    flags.num_buffers = num_buffers or monobeast.lockstep_num_buffers(flags)
-    return monobeast.Lockstep(mp.get_context("fork"), flags), flags
+    flags.num_buffers = num_buffers or lockstep.lockstep_num_buffers(flags)
+    return lockstep.Lockstep(mp.get_context("fork"), flags), flags
 
 
 LAYOUTS = [(n, e, b) for n in (1, 2, 3) for e in (1, 3, 4, 32) for b in (1, 4, 6, 16)]

@@ -25,7 +25,7 @@ import torch
 import monobeast
 import process_helpers
 from beast import envs, flags as beast_flags
-from beast import restarts
+from beast import restarts, system
 from beast import rollout, runlog, training
 from beast import checkpoint as ckpt
 
@@ -164,7 +164,8 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     second = ckpt.load_checkpoint(str(tmp_path / "r" / "model.tar"))
     assert second["step"] >= 40_000
     second_step = second["step"]
-    assert second["scheduler_state_dict"]["last_epoch"] > first["scheduler_state_dict"]["last_epoch"]
+    assert (second["scheduler_state_dict"]["last_epoch"]
+            > first["scheduler_state_dict"]["last_epoch"])
     rows = read_logs(tmp_path / "r")
     steps = [int(r["step"]) for r in rows]
     assert steps == sorted(steps) and steps[-1] >= 40_000
@@ -270,13 +271,13 @@ def test_join_actors_kills_an_actor_stuck_on_a_dead_actors_lock():
     lock.acquire()  # held for ever, as by an actor killed while holding it
 
     def stuck():
-        training.leave_stop_signals_to_the_learner()
+        system.leave_stop_signals_to_the_learner()
         lock.acquire()
 
     process = ctx.Process(target=stuck, daemon=True)
     process.start()
     started = time.monotonic()
-    monobeast.join_actors([process], timeout_s=0.5)
+    restarts.join_actors([process], timeout_s=0.5)
     assert not process.is_alive()
     assert process.exitcode == -signal.SIGKILL
     assert time.monotonic() - started < 10

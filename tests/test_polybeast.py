@@ -221,7 +221,7 @@ def test_the_acting_process_of_a_learner_off_the_cpu_is_spawned(monkeypatch, sta
     stay on the learner's device (a spawned child gets them through CUDA IPC); a fork could
     not use CUDA, so asking for one is refused with what to change."""
     monkeypatch.setattr(training, "build_model", lambda flags, info: torch.nn.Linear(2, 2))
-    flags = argparse.Namespace(acting_process=True, acting_start_method=start_method,
+    flags = argparse.Namespace(acting_start_method=start_method,
                                num_inference_threads=2)
     model = torch.nn.Linear(2, 2, device="meta")
     if context is None:
@@ -232,10 +232,6 @@ def test_the_acting_process_of_a_learner_off_the_cpu_is_spawned(monkeypatch, sta
     models = polybeast.acting_model(flags, {}, model)
     assert models.context is polybeast.SPAWN
     assert {p.device.type for r in models.replicas for p in r.parameters()} == {"meta"}
-    flags.acting_process = None  # the default
-    assert polybeast.acting_model(flags, {}, model).context is polybeast.SPAWN
-    flags.acting_process = False  # inference threads in the learner's process
-    assert polybeast.acting_model(flags, {}, model).context is None
 
 
 def test_a_learner_off_the_cpu_gets_a_copy_of_the_slot_which_goes_back_at_once():
@@ -366,18 +362,15 @@ def start_training(tmp_path, *args):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["raw", "grpc"])
-def test_sigterm_stops_everything_and_checkpoints(tmp_path, transport):
-    """Also: the servers started here listen at raw:PATH unless --local_transport grpc."""
+def test_sigterm_stops_everything_and_checkpoints(tmp_path):
+    """Also: the servers started here listen at raw:PATH."""
     run_dir = tmp_path / "runs" / "run"
-    process = start_training(tmp_path, "--checkpoint_interval_s", "100000",
-                             "--local_transport", transport)
+    process = start_training(tmp_path, "--checkpoint_interval_s", "100000")
     try:
         socket_dirs = glob.glob(str(tmp_path / f"polybeast-{process.pid}-*"))
         assert len(socket_dirs) == 1, "the run makes its socket directory under TMPDIR"
         servers = descendants(process.pid)
-        scheme = {"raw": "raw:", "grpc": "unix:"}[transport]
-        assert any(f"--pipes_basename {scheme}{socket_dirs[0]}/env" in command
+        assert any(f"--pipes_basename raw:{socket_dirs[0]}/env" in command
                    for command in server_commands(servers)), server_commands(servers)
         assert len(servers) >= 3, "polybeast_env and its two servers"
         assert not (run_dir / "model.tar").exists()
@@ -516,21 +509,6 @@ def test_the_acting_process_acts_with_the_learners_weights(tmp_path, flags):
     rows = logs(run_dir)
     assert max(float(r["policy_lag"]) for r in rows[len(rows) // 2:]) < 10, rows[-1]
     assert "Traceback" not in output(tmp_path, "learner")
-
-
-@pytest.mark.timeout(300)
-def test_acting_threads_in_the_learners_process(tmp_path):
-    """--no-acting_process: the actor threads and inference in the
-    learner's process, as before the acting process; it trains and makes no such process."""
-    process = start_training(tmp_path, "--no-acting_process")
-    try:
-        assert acting_pid(process.pid) is None
-        process.send_signal(signal.SIGTERM)
-        process.wait(WAIT_S)
-    finally:
-        stop_group(process, signal.SIGKILL)
-    assert process.returncode == 0, output(tmp_path, "learner")
-    assert last_step(tmp_path / "runs" / "run") > 0
 
 
 @pytest.mark.timeout(300)
@@ -850,15 +828,6 @@ def test_a_socket_path_too_long_is_one_error_and_a_long_tmpdir_is_avoided(tmp_pa
     result = run(long_dir, *polybeast_args(tmp_path, "--total_steps", "2000", xpid="tmpdir"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert checkpoint_step(tmp_path / "runs" / "tmpdir") >= 2000
-
-
-def test_a_pipes_basename_whose_scheme_disagrees_with_local_transport_is_refused(tmp_path):
-    result = run(tmp_path, *polybeast_args(tmp_path, "--pipes_basename", f"unix:{tmp_path}/env",
-                                           "--local_transport", "raw"))
-    assert result.returncode == 2
-    assert "--local_transport raw disagree" in result.stderr, result.stderr
-    assert "raw:PATH or drop --local_transport" in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 def test_non_loopback_address_warns(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from beast import checkpoint as ckpt
-from beast import models, training
+from beast import evaluation, learner, models, system, training
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -102,7 +102,7 @@ def test_policy_lag_counts_updates_between_acting_and_learning():
     """T=3, B=2, 6 steps per update, learner at step 60: the weights of step 60 acted with
     lag 0, those of step 48 with lag 2; the bootstrap step (index T) does not count."""
     policy_step = torch.tensor([[60, 48], [60, 48], [54, 60], [0, 0]])
-    lag = training.policy_lag({"policy_step": policy_step}, step=60, steps_per_update=6)
+    lag = learner.policy_lag({"policy_step": policy_step}, step=60, steps_per_update=6)
     assert lag == pytest.approx((0 + 2 + 0 + 2 + 1 + 0) / 6)
 
 
@@ -113,7 +113,7 @@ def test_the_acting_model_learns_the_step_of_its_weights():
                                **TINY_LEARNER_FLAGS)
     model, acting = (models.create_model(flags, (4,), 2) for _ in range(2))
     assert training.weights_step(acting) == 0
-    learner = training.Learner(flags, model, acting)
+    learner_ = learner.Learner(flags, model, acting)
     assert training.weights_step(acting) == 0
     T, B = 2, 1
     batch = dict(frame=torch.zeros(T + 1, B, 4), reward=torch.zeros(T + 1, B),
@@ -124,7 +124,7 @@ def test_the_acting_model_learns_the_step_of_its_weights():
                  last_action=torch.zeros(T + 1, B, dtype=torch.int64),
                  policy_step=torch.zeros(T + 1, B, dtype=torch.int64))
     for update in range(3):
-        step, stats = learner.update(batch, model.initial_state(B))
+        step, stats = learner_.update(batch, model.initial_state(B))
         assert step == training.weights_step(acting) == 2 * (update + 1)
         assert stats["policy_lag"] == update  # every batch acted with the first weights
     for name, value in model.state_dict().items():
@@ -158,7 +158,7 @@ def test_each_thread_keeps_the_intra_op_threads_it_set(keep_process_state):
     seen = []
 
     def inference_like():
-        training.set_intra_op_threads(1)
+        system.set_intra_op_threads(1)
         set_own.set()
         other_set.wait()
         torch.ones(64, 64).sum()  # a first parallel op
@@ -166,7 +166,7 @@ def test_each_thread_keeps_the_intra_op_threads_it_set(keep_process_state):
 
     def learner_like():
         set_own.wait()
-        training.set_intra_op_threads(2)
+        system.set_intra_op_threads(2)
         other_set.set()
 
     threads = [threading.Thread(target=f) for f in (inference_like, learner_like)]
@@ -181,7 +181,7 @@ def test_evaluation_acts_greedily_unless_asked_to_sample():
     for policy, sampled in (("greedy", False), ("sample", True)):
         model = RecordsMode()
         flags = argparse.Namespace(env="CartPole-v1", eval_policy=policy)
-        returns = training.play_episodes(flags, model, num_episodes=2, seed=0)
+        returns = evaluation.play_episodes(flags, model, num_episodes=2, seed=0)
         assert len(returns) == 2 and set(model.modes) == {sampled}
 
 
@@ -190,19 +190,19 @@ def test_greedy_evaluation_is_deterministic():
     model = RecordsMode()
     flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy")
     torch.manual_seed(1)
-    first = training.play_episodes(flags, model, num_episodes=3, seed=5)
+    first = evaluation.play_episodes(flags, model, num_episodes=3, seed=5)
     torch.manual_seed(2)
-    assert training.play_episodes(flags, model, num_episodes=3, seed=5) == first
+    assert evaluation.play_episodes(flags, model, num_episodes=3, seed=5) == first
 
 
 def test_a_game_longer_than_eval_max_steps_is_stopped_and_counts_its_return_so_far(capsys):
     """CartPole pays 1 a step and no game ends within 3 steps (the pole starts near upright):
     each game is stopped at the third step with 3.0, and the next starts afresh."""
     flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy", eval_max_steps=3)
-    assert training.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0) == [3.0] * 3
+    assert evaluation.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0) == [3.0] * 3
     assert capsys.readouterr().err.count("stopped at --eval_max_steps 3,") == 3
     flags.eval_max_steps = 0  # no limit: whole games
-    assert min(training.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0)) > 3
+    assert min(evaluation.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0)) > 3
 
 
 def value_of(model, observation):
@@ -248,11 +248,11 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_request(monkeypatch):
     must stop the run cleanly (with its checkpoint), not as a second Ctrl-C would."""
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        stop = training.install_signal_handlers()
+        stop = system.install_signal_handlers()
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.is_set()
-        monkeypatch.setattr(training, "REPEATED_SIGNAL_S", 0.0)  # as if seconds had passed
+        monkeypatch.setattr(system, "REPEATED_SIGNAL_S", 0.0)  # as if seconds had passed
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
@@ -264,9 +264,9 @@ def test_a_stop_signal_delivered_twice_at_once_is_one_request(monkeypatch):
 # gradients) every step. Prints the page faults of each of 12 steps.
 _FAULTS_SCRIPT = """
 import resource, sys, threading, torch
-from beast import training
+from beast import system
 if sys.argv[1] == "reuse":
-    training.reuse_freed_memory()
+    system.reuse_freed_memory()
 faults = []
 def steps():
     for i in range(12):
@@ -296,12 +296,3 @@ def test_freed_memory_is_reused_not_faulted_in_again():
     step = sorted(faults["default"])[len(faults["default"]) // 2]  # what one step faults in
     quiet = {mode: sum(f * 20 < step for f in faults[mode]) for mode in faults}
     assert quiet["default"] == 0 and quiet["reuse"] >= 4, faults
-
-
-def test_only_atari_learners_keep_freed_memory_and_not_with_malloc_release():
-    flags = argparse.Namespace(malloc_release=False)
-    assert training.keeps_freed_memory(flags, {"kind": "atari"})
-    for kind in ("image", "vector", "continuous"):  # small blocks: one arena costs more
-        assert not training.keeps_freed_memory(flags, {"kind": kind})
-    flags.malloc_release = True
-    assert not training.keeps_freed_memory(flags, {"kind": "atari"})

@@ -1,0 +1,117 @@
+"""Playing whole games with a model: offline evaluation during training (Evaluator) and
+--mode test (training.test)."""
+
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from beast import envs
+from beast import video
+
+
+def play_episodes(flags, model, num_episodes, seed, video_paths=()):
+    """Plays whole games with `model` on a fresh environment; returns their returns.
+
+    With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
+    of the policy), as TorchBeast's test mode does; with sample, in train mode.
+    video_paths: MP4 files for the screens of the first games (beast/video.py).
+    A game longer than --eval_max_steps is stopped there and counts with its return so far,
+    with a warning: a greedy policy can play some games without end (MinAtar's have no time
+    limit), and an evaluation that never ends would never be logged.
+    """
+    env = envs.RolloutAdapter(video.create_env(flags, video_paths), seed=seed)
+    model.train(flags.eval_policy == "sample")
+    max_steps = flags.eval_max_steps
+    returns = []
+    try:
+        env_output = env.initial()
+        state = model.initial_state(1)
+        while len(returns) < num_episodes:
+            inputs = {k: torch.as_tensor(np.asarray(v)).view(1, 1, *np.shape(v))
+                      for k, v in env_output.items()}
+            with torch.no_grad():
+                output, state = model(inputs, state)
+            env_output = env.step(output["action"][0, 0].numpy())  # an int64, or float32 [A]
+            if env_output["game_over"]:
+                returns.append(float(env_output["episode_return"]))
+            elif 0 < max_steps <= env_output["episode_step"]:
+                returns.append(float(env_output["episode_return"]))
+                print(f"warning: game {len(returns)} stopped at --eval_max_steps "
+                      f"{max_steps:,}, with a return of {returns[-1]:g} so far.",
+                      file=sys.stderr)
+                env_output = env.initial()
+                state = model.initial_state(1)
+    finally:
+        env.close()
+    return returns
+
+
+class Evaluator:
+    """Offline evaluation (as in rlpyt): every --eval_interval_steps, a few
+    episodes on separate environments, logged apart from training episodes; every
+    --eval_video_interval_steps, one game recorded as an MP4 (beast/video.py).
+
+    A learner thread takes a snapshot of the weights when a step crosses the
+    interval (snapshot_if_due); the main thread plays the episodes later
+    (run_pending), so learning never waits for them and no evaluation is
+    skipped however fast training runs.
+    """
+
+    def __init__(self, flags, make_model, start_step, enabled=True, videos_dir=None):
+        self.flags = flags
+        self.make_model = make_model  # () -> a fresh model to load the snapshots into
+        self.videos_dir = videos_dir
+        # Two schedules, evaluations and videos (--eval_video_interval_steps: one recorded
+        # game, in videos_dir); a snapshot serves whichever is due. An interval of 0 is off.
+        self.intervals = (flags.eval_interval_steps,
+                          flags.eval_video_interval_steps if videos_dir else 0)
+        self.enabled = enabled and any(i > 0 for i in self.intervals)
+        self.next_steps = [start_step + i if i > 0 else float("inf") for i in self.intervals]
+        self.model = None
+        self.lock = threading.Lock()
+        # (step, weights, evaluate, record) waiting to be played, oldest first. GUARDED_BY(lock)
+        self.pending = []
+        self.count = 0
+
+    def snapshot_if_due(self, step, learner_):
+        if not self.enabled or step < min(self.next_steps):
+            return
+        with self.lock:
+            due = [step >= next_step for next_step in self.next_steps]
+            if not any(due):  # another learner thread took it
+                return
+            for k, interval in enumerate(self.intervals):
+                while self.next_steps[k] <= step:
+                    self.next_steps[k] += interval
+        weights = learner_.weights()
+        with self.lock:
+            # A few at most: if playing falls far behind, the oldest go unplayed.
+            self.pending = self.pending[-3:] + [(step, weights, *due)]
+
+    def run_pending(self, stats):
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for step, weights, evaluate, record in pending:
+            if self.model is None:
+                self.model = self.make_model()
+            self.model.load_state_dict(weights)
+            self.count += 1
+            paths = [video.path_for_eval(self.videos_dir, step)] if record else []
+            # A video alone is one game; with an evaluation, its first game.
+            games = self.flags.eval_episodes if evaluate else 1
+            seed = 10_000_000 + self.count
+            try:
+                returns = play_episodes(self.flags, self.model, games, seed, video_paths=paths)
+            except video.VideoError as e:  # a full disk, say: no reason to end the run
+                print(f"warning: {e}. Training goes on.", file=sys.stderr)
+                if not evaluate:
+                    continue
+                paths = []
+                returns = play_episodes(self.flags, self.model, games, seed)
+            row = {"video_episode_return": returns[0]} if paths else {}
+            if evaluate:
+                row.update(eval_mean_episode_return=float(np.mean(returns)),
+                           eval_episodes=len(returns), eval_policy=self.flags.eval_policy)
+            stats.log(step, row, videos={"eval_video": paths[0]} if paths else None)
