@@ -349,7 +349,7 @@ def test_rollouts_have_the_layout_overlap_and_episode_boundaries(tmp_path, schem
 
 
 def os_thread_names():
-    """The OS names of this process's threads, as top -H and bench.cpushare see them."""
+    """The OS names of this process's threads, as top -H and py-spy see them."""
     names = []
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/comm") as f:

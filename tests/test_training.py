@@ -133,7 +133,7 @@ def test_the_acting_model_learns_the_step_of_its_weights():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names: Linux only")
 def test_run_threads_carry_their_name_as_os_thread_name():
-    """So that top -H, py-spy and bench.cpushare can tell the learner from inference."""
+    """So that top -H and py-spy can tell the learner from inference."""
     seen = []
 
     def target():
