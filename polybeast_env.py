@@ -59,18 +59,18 @@ def make_parser():
     )
     beast_flags.add_env_flags(parser)  # the learners' own environment flags
     # Streams.
-    parser.add_argument("--envs_per_stream", type=int, default=None,
+    parser.add_argument("--envs_per_stream", type=beast_flags.Number(int, low=1), default=None,
                         help="Environments behind each gRPC stream, stepped together and sent "
                              "as one batch (fewer round trips, larger inference batches). "
                              "Default: what the learner asks for when it opens the stream (python "
                              "-m polybeast asks for its own --envs_per_stream), else 1, "
                              "TorchBeast's one-environment wire format. Given, it overrides the "
                              "learner's request.")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=beast_flags.Number(int, low=0), default=0,
                         help="Base seed; each stream's environment gets one derived from it, the "
                              "server index and the stream number.")
     # Servers.
-    parser.add_argument("--num_servers", type=int, default=4,
+    parser.add_argument("--num_servers", type=beast_flags.Number(int, low=1), default=4,
                         help="Number of server processes, one address each.")
     parser.add_argument("--pipes_basename", type=str, default="unix:/tmp/polybeast",
                         help="Unix socket addresses: server i listens at <pipes_basename>.i. "
@@ -81,7 +81,7 @@ def make_parser():
                         help="Serve over TCP instead: HOST:PORT (or tcp:HOST:PORT); server i "
                              "listens at HOST:PORT+i. A non-loopback HOST accepts connections "
                              "from other machines, without authentication.")
-    parser.add_argument("--step_timeout_s", type=float, default=30.0,
+    parser.add_argument("--step_timeout_s", type=beast_flags.Number(float, low=0), default=30.0,
                         help="A server whose environment has not finished a step (or reset) "
                              "for this long is killed and started again, as a hung environment "
                              "would otherwise keep its thread and its core for good; 0: never. "
@@ -282,24 +282,29 @@ def _tls_problems(flags, addresses):
     return []
 
 
-def main(argv=None):
-    parent = os.getppid()  # before anything slow: the parent may die while we start
-    flags = make_parser().parse_args(argv)
-    problems = beast_flags.env_flag_problems(flags)
-    if flags.num_servers < 1:
-        problems.append(f"--num_servers must be at least 1 (got {flags.num_servers}).")
-    if flags.step_timeout_s < 0:
-        problems.append(f"--step_timeout_s must be 0 (never) or more (got {flags.step_timeout_s:g}).")
-    if flags.envs_per_stream is not None and flags.envs_per_stream < 1:
-        problems.append(f"--envs_per_stream must be at least 1 (got {flags.envs_per_stream}).")
+def flag_problems(flags, parser):
+    """Every problem with the flags, as validate_flags lists them: each numeric flag's range
+    (beast.flags.range_problems), the addresses and the TLS files."""
+    problems = beast_flags.range_problems(flags, parser)
+    if any(problem.startswith("--num_servers ") for problem in problems):
+        return problems  # it counts the addresses
     try:
         addresses = server_addresses(flags)
     except ValueError as error:
         problems.append(f"{error}.")
     else:
         problems += _tls_problems(flags, addresses)
+    return problems
+
+
+def main(argv=None):
+    parent = os.getppid()  # before anything slow: the parent may die while we start
+    parser = make_parser()
+    flags = parser.parse_args(argv)
+    problems = flag_problems(flags, parser)
     if problems:
         sys.exit(f"polybeast_env: {beast_flags.FlagError(problems)}")
+    addresses = server_addresses(flags)
     try:
         resolve_env_flags(flags)
     except (ValueError, ImportError) as error:

@@ -123,7 +123,14 @@ def load_checkpoint(path, map_location="cpu"):
     return state
 
 
-def check_compatible(checkpoint_flags, flags, keys=("env", "model", "use_lstm", "hidden_size")):
+# The flags that cannot change on a resume: the environment and the shape of the network
+# that the checkpoint's weights fit. Every other flag typed on a resume takes effect
+# (beast/flags.py merge_saved_flags), the optimizer's included (beast/learner.py
+# create_optimizer).
+FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size")
+
+
+def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
     """Raises CheckpointError listing every key in `keys` whose value differs.
 
     Args:
@@ -141,7 +148,9 @@ def check_compatible(checkpoint_flags, flags, keys=("env", "model", "use_lstm", 
             problems.append(f"checkpoint was trained with --{key} {old}, you gave --{key} {new}")
     if problems:
         raise CheckpointError(
-            "the checkpoint does not fit the flags given:\n  "
+            "the checkpoint does not fit the flags given (the environment and the network "
+            "cannot change on a resume):\n  "
             + "\n  ".join(problems)
-            + "\npass the same flags to resume, or a new --xpid to start a fresh run"
+            + "\nleave these flags out (a resume takes them from the run), or pass a new "
+            "--xpid to start a fresh run"
         )

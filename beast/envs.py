@@ -274,7 +274,7 @@ def _atari_spec_kwargs(env_id):
 
 def _sticky_action_probability(flags, spec_kwargs):
     """--repeat_action_probability, or the id's own value (v5 and v0: 0.25, v4: 0.0) when None."""
-    value = getattr(flags, "repeat_action_probability", None)
+    value = flags.repeat_action_probability
     return spec_kwargs.get("repeat_action_probability", 0.25) if value is None else value
 
 
@@ -291,7 +291,7 @@ def _make_atari(env_id, flags, render_mode=None):
         max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", MAX_FRAMES_PER_EPISODE),
         render_mode=render_mode,  # "rgb_array": the colour screen, whatever obs_type is
     )
-    return AtariPreprocessing(atari, episodic_life=bool(getattr(flags, "episodic_life", False)))
+    return AtariPreprocessing(atari, episodic_life=bool(flags.episodic_life))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,8 +562,8 @@ def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
     return envpool.make(
         f"{match.group(1)}-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs,
         num_threads=num_threads,
-        seed=int(getattr(flags, "seed", 0) or 0) if seed is None else int(seed) % 2**31,
-        episodic_life=bool(getattr(flags, "episodic_life", False)),
+        seed=(flags.seed if seed is None else int(seed)) % 2**31,
+        episodic_life=bool(flags.episodic_life),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
         noop_max=30, use_fire_reset=True, repeat_action_probability=_sticky_action_probability(flags, kwargs),
         max_episode_steps=MAX_FRAMES_PER_EPISODE // 4,
@@ -626,12 +626,13 @@ def _unknown_env_message(env_id):
 def create_env(flags, render_mode=None):
     """Creates one environment for training or evaluation, wrapped in WRAPPERS.
 
-    flags: argparse.Namespace with
+    flags: argparse.Namespace with the environment flags (beast/flags.py add_env_flags):
       env (str): the environment id (see the module docstring for the accepted ids).
-      episodic_life (bool, default False): Atari only; a training episode ends at each life loss,
-        the game (and the logged episode return) goes on until game over.
-      env_backend (str, default "gymnasium"): "envpool" steps the Atari emulator in EnvPool's C++.
-      repeat_action_probability (float or None, default None): Atari sticky actions; None keeps
+      episodic_life (bool): Atari only; a training episode ends at each life loss, the game
+        (and the logged episode return) goes on until game over. None, before
+        apply_env_defaults has chosen it (env_info, which finds the kind), is off.
+      env_backend (str): "gymnasium", or "envpool" to step the Atari emulator in EnvPool's C++.
+      repeat_action_probability (float or None): Atari sticky actions; None keeps
         the id's own value (ALE/*-v5: 0.25, *-v4: 0.0).
     render_mode: None (training: no rendering cost), or Gymnasium's "rgb_array" for an env
       whose render() returns the screen (beast/video.py); such an env is always stepped by
@@ -639,7 +640,7 @@ def create_env(flags, render_mode=None):
     Seeding is the caller's: RolloutAdapter(env, seed) seeds the first reset.
     Returns a gymnasium.Env. Raises ValueError for an unknown id or a missing package.
     """
-    backend = getattr(flags, "env_backend", "gymnasium") or "gymnasium"
+    backend = flags.env_backend
     if backend == "envpool" and render_mode is None:
         return EnvPoolSingle(create_envpool(flags, num_envs=1))
     if backend not in ("gymnasium", "envpool"):

@@ -12,7 +12,9 @@ that starts env servers on the same environment. Env server addresses are parsed
 """
 
 import argparse
+import functools
 import importlib.util
+import math
 import os
 
 from beast import machine
@@ -37,11 +39,9 @@ ENV_DEFAULTS = {
         learning_rate=0.00048,
         epsilon=0.01,
         entropy_cost=0.0006,
-        # TorchBeast's clip: Atari learning with another one has not been measured (the
-        # image and vector ones below were).
-        grad_norm_clipping=40.0,
+        grad_norm_clipping=40.0,  # TorchBeast's clip
         lr_warmup_steps=0,
-        pg_clip=0.0,  # IMPALA's loss; the trust region has not been tried on Atari
+        pg_clip=0.0,  # IMPALA's loss, as TorchBeast trains Atari
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
         reward_clipping="abs_one",
@@ -49,8 +49,8 @@ ENV_DEFAULTS = {
         discounting=0.99,
         reward_scale=1.0,
     ),
-    # Written for MinAtar: the vector settings except for the net, the schedule and the step
-    # size; unroll_length and entropy_cost keep the values they had before the CartPole tuning.
+    # Written for MinAtar: the vector settings except for the net, the schedule, the step
+    # size, the unroll and the entropy cost.
     # The ResNet, not the Atari net: the Atari net's 8x8 stride-4 first layer needs frames of
     # at least 36 px, and MinAtar's are 10x10. The ResNet (3x3 convolutions, padded
     # poolings) fits frames of any size, so an image env with large frames gets a net that
@@ -60,37 +60,25 @@ ENV_DEFAULTS = {
         total_steps=5_000_000,
         batch_size=16,
         unroll_length=20,
-        # Twice TorchBeast's step with RMSprop's epsilon at 0.1 instead of 0.01. RMSprop divides
-        # each gradient by the root of that parameter's running mean square plus epsilon, and
-        # in a SpaceInvaders checkpoint at 2.5M steps a third of the roots were below 0.01
-        # (units gone quiet): with
-        # 0.01, such a parameter's first real gradient moves it by up to lr x g / 0.01, and
-        # lr 0.00096 alone collapsed SpaceInvaders twice by 2.75M steps. 5M steps, 3 seeds
-        # (PolyBeast): SpaceInvaders 186.7 +- 17.5, Seaquest 106.0 +- 3.3, Breakout
-        # 162.9 +- 20.4 against 163.7 +- 55.6, 94.7 +- 19.6 (a fall), 148.8 +- 37.8 with
-        # 0.00048 and 0.01; Asterix and Freeway level or above (README, "Does it learn?").
+        # Twice TorchBeast's step, with RMSprop's epsilon at 0.1 instead of 0.01. RMSprop
+        # divides each gradient by the root of that parameter's running mean square plus
+        # epsilon, and units that have gone quiet have roots far below 0.01: with epsilon
+        # 0.01, such a parameter's first real gradient moves it by up to lr x g / 0.01, which
+        # at the larger step can throw the policy into a collapse. Epsilon 0.1 bounds that
+        # step at a tenth.
         learning_rate=0.00096,
         epsilon=0.1,
         entropy_cost=0.01,
         # A guard against outliers, about 40 per sample of the default batch (T x B = 320):
-        # TorchBeast's 40 cut every update (norms 180-1,790 on MinAtar Breakout), which made
-        # them all one size, the quiet ones as large as the informative ones. At 2M steps,
-        # 3 seeds: Breakout 52.2 +- 18.7 (MonoBeast) and 74.5 +- 22.3 (PolyBeast) against
-        # 39.3 +- 22.1 and 38.7 +- 10.2 with 40; SpaceInvaders lost (43.7 +- 2.0 against
-        # 51.2 +- 5.6, MonoBeast), the other games were level (README, "Does it learn?").
+        # TorchBeast's 40 for the whole batch cuts nearly every update on these tasks, which
+        # makes all of them one size, the quiet ones as large as the informative ones.
         grad_norm_clipping=12_800.0,
         lr_warmup_steps=0,
-        # PPO's trust region on V-trace's advantages (beast/learner.py, trust_region). Without
-        # it, 4 of 5 SpaceInvaders seeds turned deterministic on the way (the policy's entropy
-        # below 0.01 nats a step, the return 0 until it came back); with 0.2, no run of the
-        # five games did. 5M steps, 3 seeds (PolyBeast): Breakout 185.0 +- 19.5, Seaquest
-        # 115.4 +- 5.9, Asterix 39.4 +- 4.7, Freeway 59.4 +- 0.4 against 162.9 +- 20.4,
-        # 106.0 +- 3.3, 42.4 +- 2.1, 58.9 +- 0.5, but SpaceInvaders 175.9 +- 40.3 (8 seeds)
-        # against 208.9 +- 46.7. The region [0.6, 1.4] keeps the guard (no seed turned
-        # deterministic) and gives SpaceInvaders back its pace: 217.0 +- 41.5 over the same 8
-        # seeds, 6 at or above the MinAtar paper's best (about 185) against 2; Breakout
-        # 232.9 +- 12.3 against 185.0 +- 19.5 (3 seeds; README, "Does it learn?"); Seaquest
-        # 109.2 +- 4.7, Asterix 38.8 +- 3.1 and Freeway 59.2 +- 0.5, level with 0.2.
+        # PPO's trust region on V-trace's advantages (beast/learner.py, trust_region): a run
+        # of batches cannot carry an action's probability far from what the actors saw, which
+        # keeps the policy from turning deterministic on the way (its return then sits at 0
+        # until it comes back). The region [0.6, 1.4] is wide enough to leave the pace of
+        # learning as it is.
         pg_clip=0.4,
         # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
@@ -99,23 +87,15 @@ ENV_DEFAULTS = {
         discounting=0.99,
         reward_scale=1.0,
     ),
-    # Chosen with `python -m bench.solve` (2 cores, MonoBeast): CartPole-v1 reached a mean
-    # return of 475 in 65 of 65 tuning runs; the former settings (T=20, lr 0.008, entropy
-    # 0.01, 500k steps) missed on 4 of 20. T=80 means fewer learner steps per env step (more
-    # SPS, steadier). Seen to collapse or stall: lr 0.008 at T=40 (2 seeds of 10), entropy
-    # 0.01 at T=80 (1 of 30). The learning rate decays to 0 over total_steps: the late, small
-    # steps are what settle the policy, so the schedule ends soon after the task is usually
-    # solved. Rewards x 0.1 (README, "What a CartPole fall is"): a fall is the cart drifting
-    # off the track, and with rewards unscaled (values near 100) the value loss's gradient,
-    # which shares the policy's torso and so RMSprop's scale for its steps, weighs 10x more
-    # against the policy's (it grows with the square of the scale, the policy's with the
-    # scale); baseline_cost 0.05 alone did most of what the scale does. Scaled, with 1M
-    # steps, 10 MonoBeast seeds first reached 475 at 0.26M steps in the median (0.88M
-    # unscaled, with 1.5M steps) and fell by half 0.6 times a run (3.1). 750k was as good
-    # for MonoBeast; 1M leaves PolyBeast room (its slowest of 10 seeds first passed 475 at
-    # 0.48M). With the scale, learning rate 0.004 instead of the 0.006 tuned without it: 20
-    # MonoBeast seeds fell 5 times in all against 15, as fast (first 475 at 0.24M in the
-    # median against 0.26M).
+    # Chosen with `python -m bench.solve` on CartPole-v1: settings that reach a mean return of
+    # 475 on every tuning seed. T=80 means fewer learner steps per env step (more SPS,
+    # steadier). The learning rate decays to 0 over total_steps: the late, small steps are
+    # what settle the policy, so the schedule ends soon after the task is usually solved, with
+    # room left for PolyBeast's longer policy lag. Rewards x 0.1: a CartPole fall is the cart
+    # drifting off the track, and with rewards unscaled (values near 100) the value loss's
+    # gradient, which shares the policy's torso and so RMSprop's scale for its steps, drowns
+    # the policy's (it grows with the square of the scale, the policy's with the scale). With
+    # the scale, a smaller learning rate falls less often and learns as fast.
     "vector": dict(
         model="mlp",
         total_steps=1_000_000,
@@ -124,11 +104,10 @@ ENV_DEFAULTS = {
         learning_rate=0.004,
         epsilon=0.01,
         entropy_cost=0.005,
-        # About 40 per sample of T x B = 1,280, as for images: with 40, which cut every update,
-        # 2 of 10 CartPole seeds (MonoBeast) ended at 475 or more; with 50,000 and the warm-up,
-        # 10 of 10. The warm-up is what the clip did for the first updates: RMSprop's running
-        # mean of squared gradients starts at 0, so its first steps are up to 10x the learning
-        # rate, and unclipped they turned Acrobot's policy deterministic in 3 of 3 seeds.
+        # About 40 per sample of T x B = 1,280, as for images: 40 for the whole batch cuts
+        # every update. The warm-up does what that clip did for the first updates: RMSprop's
+        # running mean of squared gradients starts at 0, so with alpha 0.99 its first steps are
+        # up to 10x the learning rate, which can turn a young policy deterministic.
         grad_norm_clipping=50_000.0,
         lr_warmup_steps=100_000,
         pg_clip=0.0,  # tuned without it; CartPole's best policy is deterministic anyway
@@ -138,16 +117,14 @@ ENV_DEFAULTS = {
         discounting=0.99,
         reward_scale=0.1,
     ),
-    # Gaussian policies on Box action spaces (beast/models.py), chosen on Pendulum-v1 (2 cores,
-    # MonoBeast, 300k steps; tests/test_continuous.py): 14 seeds of 14 passed a mean return of
-    # -400 at 80k-150k steps. Short unrolls and small batches: IMPALA makes one update per
-    # batch, and T=80 B=16 made an eighth as many (still -1,070 after 300k steps). Rewards
-    # times 0.1 keep the values near 1: unscaled (-16 per step at worst), the value loss
-    # swamps the shared torso, and the same seed took 230k steps instead of 145k. Discount
-    # 0.9: 0.95 learned a little slower and failed on 1 seed of 12, 0.99 had not learned in
-    # 300k steps. Locomotion tasks (MuJoCo) usually want 0.99, which bench/learn.py passes
-    # for HalfCheetah. The mean is tanh-squashed (beast/models.py): without it, these settings
-    # stalled near -1,600, worse than random, as a torque pinned at a bound does.
+    # Gaussian policies on Box action spaces (beast/models.py), chosen on Pendulum-v1
+    # (tests/test_continuous.py learns it). Short unrolls and small batches: IMPALA makes one
+    # update per batch, and long unrolls in large batches make too few of them in a short
+    # run. Rewards times 0.1 keep the values near 1: unscaled (-16 per step at worst), the
+    # value loss swamps the shared torso. Discount 0.9: Pendulum's rewards follow its actions
+    # at once, and a longer horizon learns slower. Locomotion tasks (MuJoCo) usually want
+    # 0.99, which bench/learn.py passes for HalfCheetah. The mean is tanh-squashed
+    # (beast/models.py): without it a torque pinned at a bound stalls learning.
     "continuous": dict(
         model="mlp",
         total_steps=1_000_000,
@@ -210,6 +187,99 @@ def _env_default(key):
     return describe_defaults(ENV_DEFAULTS, key)
 
 
+# ---------------------------------------------------------------------------------------------
+# Numeric flags: each declares its range where it is declared, as its argparse type, e.g.
+# type=Number(int, low=1). validate_flags (range_problems) checks every numeric flag against it,
+# whether the value was typed, taken from a resumed run's flags.json or filled in from
+# ENV_DEFAULTS, and reports all of them at once.
+
+
+class Number:
+    """The argparse type of a numeric flag, and its range.
+
+    Args:
+      kind: int or float.
+      low, high: inclusive bounds (None: unbounded).
+      above, below: exclusive bounds (None: unbounded).
+      infinite: whether inf (or -inf, where the bounds allow it) is a meaningful value, which
+        the flag's help then explains; NaN never is.
+    Called by argparse, it only converts the text, so that every problem is reported together
+    by validate_flags; a default of None (chosen later, or "off") is never checked.
+    """
+
+    def __init__(self, kind, low=None, high=None, *, above=None, below=None, infinite=False):
+        if kind not in (int, float):
+            raise ValueError(f"Number takes int or float, not {kind!r}")
+        self.kind = kind
+        self.low, self.high, self.above, self.below = low, high, above, below
+        self.infinite = infinite
+        self.__name__ = kind.__name__  # argparse's "invalid float value: 'x'" names it
+
+    def __call__(self, text):
+        return self.kind(text)
+
+    def __repr__(self):
+        return f"Number({self.describe()})"
+
+    def _key(self):
+        return (self.kind, self.low, self.high, self.above, self.below, self.infinite)
+
+    def __eq__(self, other):  # the same range declared twice is the same type
+        return isinstance(other, Number) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def describe(self):
+        """What the flag takes, e.g. "an integer >= 1", "a finite number in [0, 1)" or
+        "a finite number > 0 or inf"."""
+        noun = "an integer" if self.kind is int else "a finite number"
+        lower = (f"[{self.low}" if self.low is not None else
+                 f"({self.above}" if self.above is not None else None)
+        upper = (f"{self.high}]" if self.high is not None else
+                 f"{self.below})" if self.below is not None else None)
+        if lower and upper:
+            text = f"{noun} in {lower}, {upper}"
+        elif lower:
+            text = f"{noun} {'>=' if lower[0] == '[' else '>'} {lower[1:]}"
+        elif upper:
+            text = f"{noun} {'<=' if upper[-1] == ']' else '<'} {upper[:-1]}"
+        else:
+            text = noun
+        return text + " or inf" if self.infinite else text
+
+    def fits(self, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        if math.isnan(value) or (math.isinf(value) and not self.infinite):
+            return False
+        return ((self.low is None or value >= self.low) and
+                (self.high is None or value <= self.high) and
+                (self.above is None or value > self.above) and
+                (self.below is None or value < self.below))
+
+
+def numeric_actions(parser):
+    """The actions of `parser`'s numeric flags (those whose type is a Number)."""
+    return [action for action in parser._actions if isinstance(action.type, Number)]
+
+
+def range_problems(flags, parser):
+    """One problem for each numeric flag of `parser` whose value in `flags` is out of its range
+    (not finite, or beyond a bound): it names the flag, the value and what the flag takes."""
+    problems = []
+    for action in numeric_actions(parser):
+        value = getattr(flags, action.dest)
+        if value is None and action.default is None:
+            continue
+        if not action.type.fits(value):
+            problems.append(f"{action.option_strings[0]} must be {action.type.describe()} "
+                            f"(got {value!r}).")
+    return problems
+
+
 def add_env_flags(parser):
     """Adds the flags that decide which environments create_env makes (beast/envs.py). Shared by
     the learners and polybeast_env; see env_flag_args."""
@@ -222,7 +292,7 @@ def add_env_flags(parser):
     parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=None,
                         help="Atari: end training episodes at each life lost (the logged return "
                              f"stays the whole game's) (default: {_env_default('episodic_life')}).")
-    parser.add_argument("--repeat_action_probability", type=float, default=None,
+    parser.add_argument("--repeat_action_probability", type=Number(float, 0, 1), default=None,
                         help="Atari sticky actions: the probability that the emulator repeats the "
                              "previous action instead of the chosen one (default: the id's own "
                              "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
@@ -262,15 +332,6 @@ def env_flag_args(flags):
     return args
 
 
-def env_flag_problems(flags):
-    """The problems with the environment flags' values, as validate_flags lists them."""
-    problems = []
-    p = getattr(flags, "repeat_action_probability", None)
-    if p is not None and not 0.0 <= p <= 1.0:
-        problems.append(f"--repeat_action_probability must lie in [0, 1] (got {p}).")
-    return problems
-
-
 def add_common_flags(parser):
     """Adds every flag that both variants understand to `parser`, in groups."""
     add_env_flags(parser)
@@ -290,20 +351,20 @@ def _add_run_flags(group):
                             "from its checkpoint (default: a new time stamp).")
     group.add_argument("--savedir", default="~/logs/beast",
                        help="Root directory; a run writes to savedir/xpid/.")
-    group.add_argument("--seed", type=int, default=0,
+    group.add_argument("--seed", type=Number(int, low=0), default=0,
                        help="Seed for the model, the environments and sampling.")
 
 
 def _add_learner_flags(group):
-    group.add_argument("--total_steps", type=int, default=None,
+    group.add_argument("--total_steps", type=Number(int, low=1), default=None,
                        help="Environment steps to train for "
                             f"(default: {_env_default('total_steps')}).")
-    group.add_argument("--batch_size", type=int, default=None,
+    group.add_argument("--batch_size", type=Number(int, low=1), default=None,
                        help="Rollouts per learner batch "
                             f"(default: {_env_default('batch_size')}).")
-    group.add_argument("--unroll_length", type=int, default=None,
+    group.add_argument("--unroll_length", type=Number(int, low=1), default=None,
                        help=f"Steps T per rollout (default: {_env_default('unroll_length')}).")
-    group.add_argument("--num_learner_threads", type=int, default=1,
+    group.add_argument("--num_learner_threads", type=Number(int, low=1), default=1,
                        help="Learner threads that take batches and update the model.")
     group.add_argument("--disable_cuda", action="store_true",
                        help="Train on the CPU even when a GPU is present.")
@@ -316,17 +377,10 @@ def _add_learner_flags(group):
                             "learner float32 (or --precision), and V-trace corrects for "
                             "the difference like any other policy lag. Fast where the CPU "
                             "has bf16 instructions (AMX, AVX-512 BF16), slow where not.")
-    group.add_argument("--max_nonfinite_updates", type=int, default=10,
+    group.add_argument("--max_nonfinite_updates", type=Number(int, low=1), default=10,
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")
-    group.add_argument("--malloc_release", action="store_true",
-                       help="On Atari, let glibc hand the memory that each learner step "
-                            "frees back to the kernel, as it does by default (and as it "
-                            "always does on other tasks). Without it the learner process "
-                            "keeps that memory for the next step: a step would otherwise "
-                            "fault a few hundred MB in anew (a fifth to a quarter of a Pong "
-                            "learner step's CPU on 2 cores).")
-    group.add_argument("--num_torch_threads", type=int, default=None,
+    group.add_argument("--num_torch_threads", type=Number(int, low=1), default=None,
                        help="Intra-op threads of the learner process (default: all "
                             "cores; PolyBeast with local servers: all cores on Atari, else "
                             "cores - num_actors, at least 1).")
@@ -339,67 +393,71 @@ def _add_loss_flags(group):
                             f"(default: {_env_default('model')}).")
     group.add_argument("--use_lstm", action="store_true",
                        help="Add an LSTM core to the model.")
-    group.add_argument("--hidden_size", type=int, default=None,
+    group.add_argument("--hidden_size", type=Number(int, low=1), default=None,
                        help="Width of the MLP's hidden layers and of the small net's fc "
                             f"(default: {_env_default('hidden_size')}).")
-    group.add_argument("--entropy_cost", type=float, default=None,
+    group.add_argument("--entropy_cost", type=Number(float, low=0), default=None,
                        help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
-    group.add_argument("--baseline_cost", type=float, default=0.5,
+    group.add_argument("--baseline_cost", type=Number(float, low=0), default=0.5,
                        help="Baseline (value) cost.")
-    group.add_argument("--pg_clip", type=float, default=None,
+    group.add_argument("--pg_clip", type=Number(float, low=0), default=None,
                        help="Trust region of the policy gradient: a sample whose probability "
                             "ratio pi/mu has left [1 - pg_clip, 1 + pg_clip] on the side its "
                             "advantage pushes towards adds no gradient (PPO's clip on "
                             "V-trace's advantages); 0: off, IMPALA's loss "
                             f"(default: {_env_default('pg_clip')}).")
-    group.add_argument("--discounting", type=float, default=None,
+    group.add_argument("--discounting", type=Number(float, 0, 1), default=None,
                        help=f"Discount factor (default: {_env_default('discounting')}).")
     group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
                        help="Clip rewards to [-1, 1] for learning "
                             f"(default: {_env_default('reward_clipping')}).")
-    group.add_argument("--reward_scale", type=float, default=None,
+    group.add_argument("--reward_scale", type=Number(float, above=0), default=None,
                        help="Multiply rewards by this for learning, before --reward_clipping; "
                             "the logged returns stay the environment's "
                             f"(default: {_env_default('reward_scale')}).")
     # RMSprop, as in TorchBeast.
-    group.add_argument("--learning_rate", type=float, default=None,
+    group.add_argument("--learning_rate", type=Number(float, above=0), default=None,
                        help="Initial learning rate, decayed linearly to 0 at total_steps "
                             f"(default: {_env_default('learning_rate')}).")
-    group.add_argument("--lr_warmup_steps", type=int, default=None,
+    group.add_argument("--lr_warmup_steps", type=Number(int, low=0), default=None,
                        help="Environment steps over which the learning rate rises linearly "
                             "from 0 to --learning_rate before it decays; 0: none "
                             f"(default: {_env_default('lr_warmup_steps')}).")
-    group.add_argument("--alpha", type=float, default=0.99,
+    group.add_argument("--alpha", type=Number(float, 0, 1), default=0.99,
                        help="RMSprop smoothing constant.")
-    group.add_argument("--momentum", type=float, default=0.0,
+    group.add_argument("--momentum", type=Number(float, low=0, below=1), default=0.0,
                        help="RMSprop momentum.")
-    group.add_argument("--epsilon", type=float, default=None,
+    group.add_argument("--epsilon", type=Number(float, above=0), default=None,
                        help="RMSprop epsilon, added to the root of each parameter's running "
                             "mean square; it bounds the step of a parameter whose gradients "
                             f"were near zero (default: {_env_default('epsilon')}).")
-    group.add_argument("--grad_norm_clipping", type=float, default=None,
+    group.add_argument("--grad_norm_clipping", type=Number(float, above=0, infinite=True),
+                       default=None,
                        help="Clip the global gradient norm (of the loss summed over T x B) "
-                            f"to this value (default: {_env_default('grad_norm_clipping')}).")
+                            "to this value; inf: no clipping "
+                            f"(default: {_env_default('grad_norm_clipping')}).")
 
 
 def _add_logging_flags(group):
-    group.add_argument("--log_interval_steps", type=int, default=10_000,
+    group.add_argument("--log_interval_steps", type=Number(int, low=1), default=10_000,
                        help="Write a row of logs.csv every this many environment steps.")
-    group.add_argument("--checkpoint_interval_s", type=float, default=600.0,
+    group.add_argument("--checkpoint_interval_s", type=Number(float, low=0, infinite=True),
+                       default=600.0,
                        help="Write a checkpoint every this many seconds "
-                            "(and always at the end of a run).")
-    group.add_argument("--eval_interval_steps", type=int, default=0,
+                            "(and always at the end of a run; inf: only then).")
+    group.add_argument("--eval_interval_steps", type=Number(int, low=0), default=0,
                        help="Evaluate the current policy every this many steps on "
                             "separate environments (0: never).")
-    group.add_argument("--eval_episodes", type=int, default=5,
-                       help="Episodes per offline evaluation.")
+    group.add_argument("--eval_episodes", type=Number(int, low=1), default=5,
+                       help="Episodes per offline evaluation (to evaluate never, leave "
+                            "--eval_interval_steps at 0).")
     group.add_argument("--eval_policy", default="greedy", choices=["greedy", "sample"],
                        help="How offline evaluation and --mode test act: the argmax of the "
                             "policy (as TorchBeast's test mode; a Gaussian policy's mean), or "
                             "actions sampled from it.")
-    group.add_argument("--test_episodes", type=int, default=10,
+    group.add_argument("--test_episodes", type=Number(int, low=1), default=10,
                        help="Episodes to play in --mode test.")
-    group.add_argument("--eval_max_steps", type=int, default=100_000,
+    group.add_argument("--eval_max_steps", type=Number(int, low=0), default=100_000,
                        help="Longest evaluation or --mode test game, in environment steps: a "
                             "longer one is stopped and counts with its return so far, with a "
                             "warning (a greedy policy can play some games without end; "
@@ -413,7 +471,7 @@ def _add_video_and_wandb_flags(group):
     group.add_argument("--record_video", action="store_true",
                        help="--mode test: write an MP4 of each game's screen (the "
                             "environment's RGB render) to savedir/xpid/videos/.")
-    group.add_argument("--eval_video_interval_steps", type=int, default=0,
+    group.add_argument("--eval_video_interval_steps", type=Number(int, low=0), default=0,
                        help="Record one offline-evaluation game as an MP4 in savedir/xpid/videos/ "
                             "every this many steps, named by step (0: never).")
     group.add_argument("--wandb_project", default=None,
@@ -442,68 +500,43 @@ def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):
         raise ValueError(f"unknown environment kind {kind!r}; expected one of "
                          f"{', '.join(KIND_LABELS)}")
     for key, value in table[kind].items():
-        if (names is None or key in names) and getattr(flags, key, None) is None:
+        if (names is None or key in names) and getattr(flags, key) is None:
             setattr(flags, key, value)
     return flags
 
 
-def validate_flags(flags, extra_problems=()):
-    """Checks every flag at once and raises one FlagError listing all problems."""
-    problems = list(extra_problems) + env_flag_problems(flags)
+def validate_flags(flags, extra_problems=(), parser=None):
+    """Checks every flag at once and raises one FlagError listing all problems.
 
-    def need(condition, message):
-        if not condition:
-            problems.append(message)
-
-    need(flags.unroll_length >= 1,
-         f"--unroll_length must be at least 1 (got {flags.unroll_length}).")
-    need(flags.batch_size >= 1, f"--batch_size must be at least 1 (got {flags.batch_size}).")
-    need(flags.lr_warmup_steps >= 0,
-         f"--lr_warmup_steps must not be negative (got {flags.lr_warmup_steps}).")
-    need(flags.max_nonfinite_updates >= 1,
-         f"--max_nonfinite_updates must be at least 1 (got {flags.max_nonfinite_updates}).")
-    need(flags.total_steps >= 1, f"--total_steps must be positive (got {flags.total_steps}).")
-    need(flags.num_learner_threads >= 1,
-         f"--num_learner_threads must be at least 1 (got {flags.num_learner_threads}).")
-    # MonoBeast's --deterministic: with several threads, timing would order the updates.
-    need(not getattr(flags, "deterministic", False) or flags.num_learner_threads == 1,
-         "--deterministic learns in one thread: drop --num_learner_threads "
-         f"(got {flags.num_learner_threads}) or set it to 1.")
-    need(0.0 <= flags.discounting <= 1.0,
-         f"--discounting must lie in [0, 1] (got {flags.discounting}).")
-    need(flags.reward_scale > 0, f"--reward_scale must be positive (got {flags.reward_scale}).")
-    need(flags.learning_rate > 0, f"--learning_rate must be positive (got {flags.learning_rate}).")
-    for name in ("entropy_cost", "baseline_cost", "grad_norm_clipping"):
-        value = getattr(flags, name)
-        need(value >= 0, f"--{name} must not be negative (got {value}).")
-    need(flags.hidden_size >= 1, f"--hidden_size must be at least 1 (got {flags.hidden_size}).")
-    need(flags.log_interval_steps >= 1,
-         f"--log_interval_steps must be at least 1 (got {flags.log_interval_steps}).")
-    need(flags.eval_interval_steps >= 0,
-         f"--eval_interval_steps must not be negative (got {flags.eval_interval_steps}).")
-    need(flags.pg_clip >= 0, f"--pg_clip must not be negative (got {flags.pg_clip}).")
-    need(flags.eval_max_steps >= 0,
-         f"--eval_max_steps must not be negative (got {flags.eval_max_steps}).")
-    need(flags.test_episodes >= 1, f"--test_episodes must be at least 1 (got {flags.test_episodes}).")
-    if flags.num_torch_threads is not None:
-        need(flags.num_torch_threads >= 1,
-             f"--num_torch_threads must be at least 1 (got {flags.num_torch_threads}).")
+    Args:
+      flags: the parsed Namespace, with the env defaults applied.
+      extra_problems: problems found elsewhere (a variant's check_flags), reported first.
+      parser: whose numeric flags' ranges to check (range_problems); None: the common flags'
+        (add_common_flags). A problem found twice is reported once.
+    """
+    problems = list(extra_problems)
+    problems += range_problems(flags, parser or common_parser())
     problems += video_and_wandb_problems(flags)
     if problems:
-        raise FlagError(problems)
+        raise FlagError(list(dict.fromkeys(problems)))
+
+
+@functools.lru_cache(maxsize=None)
+def common_parser():
+    """A parser of the flags both learners understand (add_common_flags), built once: for
+    code that needs their defaults without a learner's command line (benchmarks, tests)."""
+    return add_common_flags(argparse.ArgumentParser(add_help=False,
+                                                    formatter_class=HelpFormatter))
 
 
 def video_and_wandb_problems(flags):
     """The problems with the video and W&B flags that need no environment (beast/video.py
     checks that the environment renders)."""
     problems = []
-    interval = flags.eval_video_interval_steps
-    if interval < 0:
-        problems.append(f"--eval_video_interval_steps must not be negative (got {interval}).")
     if flags.record_video and flags.mode != "test":
         problems.append("--record_video records the games of --mode test; while training, "
                         "record evaluation games with --eval_video_interval_steps N.")
-    videos = flags.record_video or interval > 0
+    videos = flags.record_video or flags.eval_video_interval_steps > 0
     missing = [p for p, module in (("imageio", "imageio"), ("imageio-ffmpeg", "imageio_ffmpeg"))
                if importlib.util.find_spec(module) is None]
     if videos and missing:
@@ -550,12 +583,22 @@ def explicit_flags(parser, argv):
 
 
 def merge_saved_flags(flags, saved, given):
-    """On resume or test, flags the user did not type come from the saved run.
+    """On resume or test: the saved run's flags, brought up to date. This is the one place
+    where the flags of a run saved by older code meet today's, so that code reads flags.name
+    and never needs a fallback of its own.
+
+    A flag the user typed wins, and takes effect (the optimizer's included, see
+    learner.create_optimizer; checkpoint.check_compatible refuses those that fix the network).
+    Every other flag takes its saved value. A flag the saved run lacks (it came later) keeps
+    the parser's default, or the env default that apply_env_defaults fills in next, unless
+    BEFORE_THE_FLAG names the value that keeps the run doing what it did. A saved flag that
+    the parser no longer has is dropped.
 
     Args:
       flags: the parsed Namespace (changed in place).
       saved: dict of the run's flags.json.
       given: names typed on the command line (they win).
+    Returns flags.
     """
     keep_fresh = {"mode", "xpid", "savedir", "given"}
     for key, value in saved.items():
@@ -569,8 +612,9 @@ def merge_saved_flags(flags, saved, given):
 
 
 # Flags that changed what a run does by default after runs were saved without them, and the
-# value that keeps such a run doing what it did: a resume must not change its loss midway.
-BEFORE_THE_FLAG = {"pg_clip": 0.0}
+# value that keeps such a run doing what it did: a resume must not change its loss or its
+# learning-rate schedule midway.
+BEFORE_THE_FLAG = {"pg_clip": 0.0, "reward_scale": 1.0, "lr_warmup_steps": 0}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -646,8 +690,9 @@ def is_loopback(address):
 
 def parse_address_list(text):
     """A comma-separated --server_addresses value -> a list of addresses: "unix:PATH" and
-    "raw:PATH" as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing comma) are
-    skipped. Raises ValueError naming the first bad entry, or for a list with no address."""
+    "raw:PATH" as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing
+    comma) are skipped. Raises ValueError naming the first bad entry, or for a list with no
+    address."""
     addresses = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:

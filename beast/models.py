@@ -464,9 +464,9 @@ MODELS = ("atari", "resnet", "small", "mlp")
 def create_model(flags, observation_shape, num_actions, continuous=False):
     """Build the network that flags ask for.
 
-    Reads flags.model ("atari", "resnet", "small" or "mlp"; when missing or None,
-    "atari" for [C, H, W] observations and "mlp" for [D]), flags.use_lstm
-    (default False) and flags.hidden_size (MLP width, default 64).
+    Reads flags.model ("atari", "resnet", "small" or "mlp"), flags.use_lstm and
+    flags.hidden_size (the width of the MLP's layers, of the small net's fc and of DictNet's
+    encoders and core).
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
@@ -480,38 +480,23 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
       ValueError: with a message naming the --model to use, when the model is
         unknown or the observations do not fit it.
     """
-    use_lstm = bool(getattr(flags, "use_lstm", False))
     if isinstance(observation_shape, dict):
-        return DictNet(observation_shape, num_actions, use_lstm=use_lstm,
-                       hidden_size=getattr(flags, "hidden_size", 64), continuous=continuous)
+        return DictNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
+                       hidden_size=flags.hidden_size, continuous=continuous)
     observation_shape = tuple(observation_shape)
-    model = getattr(flags, "model", None)
-    if model is None:
-        if len(observation_shape) == 3:
-            model = "atari"
-        elif len(observation_shape) == 1:
-            model = "mlp"
-        else:
-            raise ValueError(
-                f"no model fits observations of shape {observation_shape}: "
-                f"--model atari and resnet take [C, H, W], --model mlp takes [D]"
-            )
+    model = flags.model
     if model == "atari":
-        return AtariNet(observation_shape, num_actions, use_lstm=use_lstm, continuous=continuous)
+        return AtariNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
+                        continuous=continuous)
     if model == "resnet":
-        return ResNet(observation_shape, num_actions, use_lstm=use_lstm, continuous=continuous)
+        return ResNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
+                      continuous=continuous)
     if model == "small":
-        return SmallConvNet(observation_shape, num_actions, use_lstm=use_lstm,
-                            hidden_size=getattr(flags, "hidden_size", None) or 128,
-                            continuous=continuous)
+        return SmallConvNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
+                            hidden_size=flags.hidden_size, continuous=continuous)
     if model == "mlp":
-        return MLP(
-            observation_shape,
-            num_actions,
-            use_lstm=use_lstm,
-            hidden_size=getattr(flags, "hidden_size", 64),
-            continuous=continuous,
-        )
+        return MLP(observation_shape, num_actions, use_lstm=flags.use_lstm,
+                   hidden_size=flags.hidden_size, continuous=continuous)
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
 
 

@@ -41,12 +41,30 @@ def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     """
     if num_envs < 1:
         raise ValueError(f"a vector env needs at least one environment (got {num_envs})")
-    backend = getattr(flags, "env_backend", "gymnasium") or "gymnasium"
+    backend = flags.env_backend
     if backend == "envpool":
         return EnvPoolVectorEnv(flags, num_envs, seed)
     if backend == "gymnasium":
         return GymnasiumVectorEnv(flags, num_envs, seed, on_error, name)
     raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
+
+
+def nonfinite_problem(outputs, env_id):
+    """What is wrong with a step of N environments (arrays [N, ...]) that holds NaN or inf
+    in a float field (the reward first: a NaN there makes the episode return NaN too), in
+    words naming the field, the environment and `env_id`; None when every value is finite.
+    The model takes the reward and the observation, and a NaN there makes NaN logits.
+    last_action is the agent's own and is not looked at."""
+    names = sorted(outputs, key=lambda name: name != "reward")
+    for name in names:
+        array = outputs[name]
+        if name == "last_action" or array.dtype.kind != "f" or np.isfinite(array).all():
+            continue
+        where = tuple(np.argwhere(~np.isfinite(array))[0])  # (environment, ...)
+        return (f"environment {where[0]} of {env_id} returned {array[where]} as its {name!r}; "
+                "the learner takes finite values only: fix the environment (or the wrapper, "
+                "beast/envs.py WRAPPERS) so that its rewards and observations stay finite.")
+    return None
 
 
 def env_seed(seed, j, restart=0):

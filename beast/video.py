@@ -45,8 +45,8 @@ def path_for_eval(videos_dir, step):
 def wanted(flags):
     """Whether this start of the run records videos."""
     if flags.mode == "test":
-        return bool(getattr(flags, "record_video", False))
-    return getattr(flags, "eval_video_interval_steps", 0) > 0
+        return flags.record_video
+    return flags.eval_video_interval_steps > 0
 
 
 def render_problems(flags):

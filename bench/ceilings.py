@@ -15,7 +15,6 @@ machine. (Spread over more threads the same work costs at least as many
 core-seconds, so the bound stays an upper bound.)
 """
 
-import argparse
 import collections
 import contextlib
 import importlib.util
@@ -207,7 +206,7 @@ VECTOR_ENVS = 8
 
 
 def _measure_env(env_id, seconds, chunks, check_every=8):
-    flags = argparse.Namespace(env=env_id, episodic_life=False, env_backend="gymnasium")
+    flags = beast_flags.common_parser().parse_args(["--env", env_id, "--no-episodic_life"])
     env = vector_envs.create_vector_env(flags, VECTOR_ENVS, seed=0)
     num_actions = envs.env_info(flags)["num_actions"]
     actions = np.random.default_rng(0).integers(0, num_actions, (512, VECTOR_ENVS))
@@ -238,7 +237,8 @@ def _measure_env(env_id, seconds, chunks, check_every=8):
 
 
 def _measure_envpool(env_id, num_envs, batch_size, num_threads, seconds, chunks):
-    flags = argparse.Namespace(env=env_id, episodic_life=False, env_backend="envpool", seed=0)
+    flags = beast_flags.common_parser().parse_args(
+        ["--env", env_id, "--no-episodic_life", "--env_backend", "envpool"])
     pool = envs.create_envpool(flags, num_envs, batch_size=batch_size, num_threads=num_threads)
     rng = np.random.default_rng(0)
     num_actions = int(pool.action_space.n)

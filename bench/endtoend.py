@@ -64,13 +64,7 @@ def resolve(workload):
     else:
         # The dynamic batcher serves at most inference_batch_size actors at once;
         # the real batch is whatever is waiting, so this is the optimistic size.
-        size = getattr(module, "inference_batch_size", None)
-        if callable(size):  # the default is derived when the run starts
-            workload.inference_batch = size(flags)
-        else:
-            workload.inference_batch = getattr(flags, "inference_batch_size", None)
-        if workload.inference_batch is None:
-            workload.inference_batch = max(1, flags.num_actors)
+        workload.inference_batch = module.inference_batch_size(flags)
         # Each request carries the envs_per_stream environments of one stream.
         workload.inference_batch *= flags.envs_per_stream
     return workload

@@ -37,6 +37,11 @@ def env_actions(parser):
     return [a for a in parser._actions if a.dest in beast_flags.env_flag_names()]
 
 
+def value_type(action):
+    """int or float for a numeric flag (its Number's kind), else the action's type."""
+    return action.type.kind if isinstance(action.type, beast_flags.Number) else action.type
+
+
 # ---------------------------------------------------------------------------------------------
 # Help text, read back from the rendered --help.
 
@@ -68,9 +73,9 @@ def stated_defaults(help_text, action):
     def value_of(text):
         if isinstance(action, argparse.BooleanOptionalAction):
             return {"on": True, "off": False}[text]
-        if action.type is int:
+        if value_type(action) is int:
             return int(text.replace(",", ""))
-        if action.type is float:
+        if value_type(action) is float:
             return float(text)
         return text
 
@@ -175,9 +180,9 @@ def other_value(action, value):
         return not value
     if action.choices:
         return next(c for c in action.choices if c != value)
-    if action.type is int:
+    if value_type(action) is int:
         return 7 if value is None else value + 1
-    if action.type is float:
+    if value_type(action) is float:
         return -0.5 if value is None else value * 2 + 0.125  # negative: "--x=-0.5" must parse
     if action.type in (str, None):
         return "-odd/Id-v0" if value is None else value + "x"
@@ -227,6 +232,35 @@ def test_a_run_saved_before_a_flag_resumes_with_what_it_did_then():
     assert resumed([], {}).entropy_cost == ENV_DEFAULTS["image"]["entropy_cost"]
 
 
+def test_old_saved_flags_are_brought_up_to_date_in_one_place():
+    """A flags.json written before some flags existed: merge_saved_flags fills each missing
+    flag from the parser's default (or the env default), except those of BEFORE_THE_FLAG,
+    which keep the run doing what it did; a saved flag the parser no longer has is dropped.
+    After it, every flag the code reads is there and in range."""
+    parser = common_parser()
+    saved = {key: value for key, value in vars(resumed_flags(parser, [], {})).items()
+             if key not in ("reward_scale", "lr_warmup_steps", "eval_max_steps",
+                            "acting_precision", "precision", "pg_clip", "given")}
+    saved.update(env="CartPole-v1", learning_rate=0.002, retired_flag=3)
+    flags = resumed_flags(parser, ["--total_steps", "5000"], saved)
+    assert flags.reward_scale == 1.0 != ENV_DEFAULTS["vector"]["reward_scale"]
+    assert flags.lr_warmup_steps == 0 != ENV_DEFAULTS["vector"]["lr_warmup_steps"]
+    assert flags.pg_clip == 0.0
+    assert flags.eval_max_steps == action_for(parser, "eval_max_steps").default
+    assert (flags.acting_precision, flags.precision) == ("fp32", "fp32")
+    assert flags.learning_rate == 0.002 and flags.total_steps == 5000
+    assert not hasattr(flags, "retired_flag")
+    flags.num_torch_threads = 1
+    beast_flags.validate_flags(flags)
+
+
+def resumed_flags(parser, argv, saved, kind="vector"):
+    flags = parser.parse_args(argv)
+    flags.given = beast_flags.explicit_flags(parser, argv)
+    beast_flags.merge_saved_flags(flags, saved, flags.given)
+    return beast_flags.apply_env_defaults(flags, {"kind": kind})
+
+
 def test_apply_env_defaults_rejects_an_unknown_kind_and_honours_names():
     flags = common_parser().parse_args([])
     with pytest.raises(ValueError, match="unknown environment kind 'pixels'"):
@@ -247,12 +281,13 @@ def test_image_default_model_fits_small_and_large_frames():
     """ENV_DEFAULTS["image"] names the ResNet because the Atari net cannot take MinAtar's frames."""
     from beast import models
 
-    model_flags = argparse.Namespace(model=ENV_DEFAULTS["image"]["model"], use_lstm=False,
-                                     hidden_size=ENV_DEFAULTS["image"]["hidden_size"])
+    model_flags = beast_flags.apply_env_defaults(common_parser().parse_args([]),
+                                                 {"kind": "image"})
     for shape in [(4, 10, 10), (6, 10, 10), (4, 84, 84)]:
         models.create_model(model_flags, shape, num_actions=3)
+    model_flags.model = "atari"
     with pytest.raises(ValueError):
-        models.create_model(argparse.Namespace(model="atari", use_lstm=False), (4, 10, 10), 3)
+        models.create_model(model_flags, (4, 10, 10), 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +336,9 @@ def test_env_flag_args_of_the_defaults_round_trips():
 def test_repeat_action_probability_is_checked():
     flags = common_parser().parse_args(["--repeat_action_probability", "1.5"])
     beast_flags.apply_env_defaults(flags, {"kind": "atari"})
-    with pytest.raises(beast_flags.FlagError, match=r"--repeat_action_probability must lie"):
+    with pytest.raises(beast_flags.FlagError,
+                       match=re.escape("--repeat_action_probability must be a finite number in "
+                                       "[0, 1] (got 1.5)")):
         beast_flags.validate_flags(flags)
     flags.repeat_action_probability = 0.0
     beast_flags.validate_flags(flags)
@@ -314,7 +351,7 @@ def test_polybeast_env_reports_every_bad_flag_at_once():
     message = str(exit_info.value.code)
     for flag in ("--envs_per_stream", "--repeat_action_probability", "nohost"):
         assert flag in message, message
-    with pytest.raises(SystemExit, match="--num_servers must be at least 1"):
+    with pytest.raises(SystemExit, match="--num_servers must be an integer >= 1"):
         polybeast_env.main(["--num_servers", "0"])
 
 

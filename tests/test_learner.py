@@ -9,7 +9,6 @@ clipping, the V-trace recursion and the three loss terms together.
 """
 
 import copy
-import types
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from beast import learner
+import flag_helpers
 
 T, B, A, OBS = 3, 2, 3, 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -41,10 +41,11 @@ DONE = [[True, False], [False, False], [True, False], [False, True]]
 
 
 def make_flags(**overrides):
-    flags = dict(discounting=0.9, reward_clipping="abs_one", baseline_cost=0.5,
-                 entropy_cost=0.1, grad_norm_clipping=1e6, precision="fp32")
-    flags.update(overrides)
-    return types.SimpleNamespace(**flags)
+    values = dict(discounting=0.9, reward_clipping="abs_one", baseline_cost=0.5,
+                  entropy_cost=0.1, grad_norm_clipping=1e6, precision="fp32", pg_clip=0.0,
+                  reward_scale=1.0)
+    values.update(overrides)
+    return flag_helpers.make_flags(**values)
 
 
 def make_batch():
@@ -402,9 +403,8 @@ def test_a_non_finite_loss_never_reaches_the_weights(bad):
 def test_learning_rate_warms_up_then_decays():
     """--lr_warmup_steps: the rate rises linearly to --learning_rate, then decays to 0 at
     total_steps; without it, the rate starts at --learning_rate."""
-    flags = types.SimpleNamespace(learning_rate=0.01, momentum=0.0, epsilon=0.01, alpha=0.99,
-                                  unroll_length=10, batch_size=10, total_steps=10_000,
-                                  lr_warmup_steps=1_000)
+    flags = make_flags(learning_rate=0.01, momentum=0.0, epsilon=0.01, alpha=0.99,
+                       unroll_length=10, batch_size=10, total_steps=10_000, lr_warmup_steps=1_000)
     optimizer, scheduler = learner.create_optimizer(flags, TinyModel())
     rates = []
     for _ in range(100):  # 100 updates of 100 steps: the whole schedule

@@ -1,10 +1,10 @@
 """Shapes, dtypes, LSTM resets, gradients and errors of beast/models.py."""
 
-import argparse
-
 import pytest
 import torch
 
+import flag_helpers
+from beast import flags as beast_flags
 from beast import models
 
 NUM_ACTIONS = 5
@@ -17,7 +17,7 @@ MODEL_SHAPES = [("atari", IMAGE_SHAPE), ("resnet", IMAGE_SHAPE), ("small", IMAGE
 
 
 def make_flags(model, use_lstm, hidden_size=16):
-    return argparse.Namespace(model=model, use_lstm=use_lstm, hidden_size=hidden_size)
+    return flag_helpers.make_flags(model=model, use_lstm=use_lstm, hidden_size=hidden_size)
 
 
 def make_model(model, observation_shape, use_lstm, seed=0):
@@ -71,15 +71,23 @@ def test_output_shapes_and_dtypes(model_name, observation_shape, use_lstm, T, B)
         assert old.shape == new.shape
 
 
-def test_create_model_picks_classes_and_defaults():
-    no_model = argparse.Namespace(use_lstm=False)
-    assert type(models.create_model(no_model, (4, 84, 84), 3)) is models.AtariNet
-    assert type(models.create_model(no_model, (8,), 3)) is models.MLP
+@pytest.mark.parametrize("kind, shape, cls", [("atari", (4, 84, 84), models.AtariNet),
+                                              ("image", (4, 10, 10), models.ResNet),
+                                              ("vector", (8,), models.MLP),
+                                              ("continuous", (3,), models.MLP)])
+def test_create_model_builds_what_the_env_defaults_say(kind, shape, cls):
+    """The flags' defaults (beast/flags.py ENV_DEFAULTS) are the only ones: create_model has
+    none of its own, so the net of each kind is the one the table names, at its width."""
+    flags = flag_helpers.make_flags(kind=kind)
+    net = models.create_model(flags, shape, 3)
+    assert type(net) is cls and net.core is None  # --use_lstm is off by default
+    if cls is models.MLP:
+        assert net.layers[0].out_features == beast_flags.ENV_DEFAULTS[kind]["hidden_size"]
+
+
+def test_create_model_picks_classes():
     assert type(models.create_model(make_flags("resnet", False), (3, 64, 64), 3)) is models.ResNet
-    mlp = models.create_model(argparse.Namespace(model="mlp"), (8,), 3)
-    assert mlp.layers[0].out_features == 64  # default hidden_size
-    assert mlp.core is None  # default use_lstm
-    wide = models.create_model(argparse.Namespace(model="mlp", hidden_size=32), (8,), 3)
+    wide = models.create_model(make_flags("mlp", False, hidden_size=32), (8,), 3)
     assert wide.layers[0].out_features == 32 and isinstance(wide.layers[1], torch.nn.Tanh)
     relu = models.MLP((8,), 3, hidden_size=32, activation="relu")
     assert isinstance(relu.layers[1], torch.nn.ReLU)
@@ -88,7 +96,7 @@ def test_create_model_picks_classes_and_defaults():
 def test_small_net_is_the_minatar_papers():
     """One 3x3 conv of 16 channels without padding, then fc 128 (hidden_size): on MinAtar's
     [C, 10, 10] frames, 16 x 8 x 8 features into the fc."""
-    net = models.create_model(argparse.Namespace(model="small", hidden_size=None), (4, 10, 10),
+    net = models.create_model(flag_helpers.make_flags(model="small", kind="image"), (4, 10, 10),
                               NUM_ACTIONS)
     assert type(net) is models.SmallConvNet
     assert (net.conv.in_channels, net.conv.out_channels, net.conv.kernel_size) == (4, 16, (3, 3))
@@ -261,9 +269,12 @@ def test_bad_observation_shape_errors(model_name, observation_shape, message):
         models.create_model(make_flags(model_name, False), observation_shape, NUM_ACTIONS)
 
 
-def test_no_default_model_for_other_ranks():
-    with pytest.raises(ValueError, match="no model fits"):
-        models.create_model(argparse.Namespace(), (3, 4), NUM_ACTIONS)
+def test_no_model_fits_other_ranks():
+    for model in models.MODELS:
+        with pytest.raises(ValueError):
+            models.create_model(make_flags(model, False), (3, 4), NUM_ACTIONS)
+    with pytest.raises(ValueError, match="unknown --model 'transformer'"):
+        models.create_model(make_flags("transformer", False), (8,), NUM_ACTIONS)
 
 
 def test_frame_shape_mismatch_in_forward():
