@@ -3,7 +3,6 @@ against NumPy formulas, V-trace on them, the action path through the environment
 actor pool sending float actions, both variants end to end on Pendulum-v1, and a learning test.
 """
 
-import argparse
 import csv
 import math
 import os
@@ -16,6 +15,7 @@ import pytest
 import torch
 from gymnasium import spaces
 
+import flag_helpers
 from beast import envs, learner, models, rollout, vector_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,8 +128,8 @@ def reference_loss(flags, outputs, batch):
 
 
 def test_compute_loss_matches_the_reference():
-    flags = argparse.Namespace(discounting=0.9, reward_clipping="none", reward_scale=0.1,
-                               baseline_cost=0.5, entropy_cost=0.01)
+    flags = flag_helpers.make_flags(discounting=0.9, reward_clipping="none", reward_scale=0.1,
+                                    baseline_cost=0.5, entropy_cost=0.01)
     batch, outputs = continuous_batch()
     _, stats = learner.compute_loss(flags, outputs, batch)
     expected = reference_loss(flags, outputs, batch)
@@ -143,8 +143,8 @@ def test_compute_loss_matches_the_reference():
 
 def test_policy_gradient_moves_the_mean_towards_good_actions():
     """One SGD step on the loss raises log pi of an action with a positive advantage."""
-    flags = argparse.Namespace(discounting=0.0, reward_clipping="none", reward_scale=1.0,
-                               baseline_cost=0.0, entropy_cost=0.0)
+    flags = flag_helpers.make_flags(discounting=0.0, reward_clipping="none", reward_scale=1.0,
+                                    baseline_cost=0.0, entropy_cost=0.0)
     batch, outputs = continuous_batch(seed=3)
     outputs = {k: v.clone().requires_grad_(True) for k, v in outputs.items()}
     batch["reward"][1:] = 0.0
@@ -161,7 +161,7 @@ def test_policy_gradient_moves_the_mean_towards_good_actions():
 
 
 def mlp(continuous=True, num_actions=A, use_lstm=False):
-    flags = argparse.Namespace(model="mlp", use_lstm=use_lstm, hidden_size=16)
+    flags = flag_helpers.make_flags(model="mlp", use_lstm=use_lstm, hidden_size=16)
     torch.manual_seed(0)
     return models.create_model(flags, (3,), num_actions, continuous=continuous)
 
@@ -213,8 +213,8 @@ def test_last_action_enters_the_core_clipped():
 def test_learner_gradient_reaches_the_logstd_parameter():
     model = mlp()
     outputs, _ = model(model_inputs())
-    flags = argparse.Namespace(discounting=0.9, reward_clipping="none", reward_scale=1.0,
-                               baseline_cost=0.5, entropy_cost=0.01)
+    flags = flag_helpers.make_flags(discounting=0.9, reward_clipping="none", reward_scale=1.0,
+                                    baseline_cost=0.5, entropy_cost=0.01)
     batch = dict(model_inputs(), action=outputs["action"].detach(),
                  policy_mean=outputs["policy_mean"].detach(),
                  policy_logstd=outputs["policy_logstd"].detach())
@@ -248,8 +248,9 @@ def test_schema_declares_float_actions_and_gaussian_parameters():
 
 
 def pendulum_flags(**kwargs):
-    return argparse.Namespace(env="Pendulum-v1", env_backend="gymnasium", episodic_life=False,
-                              repeat_action_probability=None, **kwargs)
+    return flag_helpers.make_flags(env="Pendulum-v1", env_backend="gymnasium",
+                                   episodic_life=False, repeat_action_probability=None,
+                                   kind="continuous", **kwargs)
 
 
 def test_env_info_reports_the_box():
@@ -257,7 +258,7 @@ def test_env_info_reports_the_box():
     assert info["continuous"] and info["num_actions"] == 1 and info["kind"] == "continuous"
     np.testing.assert_array_equal(info["action_low"], [-2.0])
     np.testing.assert_array_equal(info["action_high"], [2.0])
-    cartpole = envs.env_info(argparse.Namespace(env="CartPole-v1"))
+    cartpole = envs.env_info(flag_helpers.make_flags(env="CartPole-v1"))
     assert not cartpole["continuous"] and cartpole["action_low"] is None
     assert cartpole["kind"] == "vector"
 

@@ -4,7 +4,6 @@ The environment is tests/dict_obs_env.py: a uint8 image entry `cues` and a float
 `target`, whose right action needs both (from either alone it is uniform over 4 actions).
 """
 
-import argparse
 import csv
 import os
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 import torch
 from gymnasium import spaces
 
+import flag_helpers
 import monobeast
 from beast import envs, learner, models, rollout, training
 from tests import dict_obs_env
@@ -26,7 +26,7 @@ K = dict_obs_env.NUM_ACTIONS
 
 
 def dict_cue(with_text=False):
-    return envs.create_env(argparse.Namespace(
+    return envs.create_env(flag_helpers.make_flags(
         env="tests.dict_obs_env:" + ("DictCueText-v0" if with_text else "DictCue-v0")))
 
 
@@ -34,7 +34,7 @@ def dict_cue(with_text=False):
 # The schema and the adapter.
 
 def test_one_rollout_field_per_entry_with_its_own_dtype_and_shape():
-    info = envs.env_info(argparse.Namespace(env=ENV))
+    info = envs.env_info(flag_helpers.make_flags(env=ENV))
     assert info["observation_shape"] == {"cues": (1, K, K), "target": (K,)}
     assert info["observation_dtype"] == {"cues": np.uint8, "target": np.float32}
     assert info["kind"] == "image"  # an image entry picks the image defaults
@@ -137,7 +137,7 @@ def dict_inputs(T, B, shapes, seed=0):
 
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_dict_net_shapes_and_gradients(use_lstm):
-    flags = argparse.Namespace(model="resnet", use_lstm=use_lstm, hidden_size=32)
+    flags = flag_helpers.make_flags(model="resnet", use_lstm=use_lstm, hidden_size=32)
     model = models.create_model(flags, SHAPES, num_actions=3)
     assert type(model) is models.DictNet  # whatever --model says
     T, B = 4, 2
@@ -151,7 +151,7 @@ def test_dict_net_shapes_and_gradients(use_lstm):
 
 
 def test_dict_net_reads_every_entry_and_refuses_a_wrong_shape():
-    model = models.create_model(argparse.Namespace(hidden_size=16), SHAPES, 3).eval()
+    model = models.create_model(flag_helpers.make_flags(hidden_size=16), SHAPES, 3).eval()
     inputs = dict_inputs(2, 3, SHAPES)
     baseline = model(inputs)[0]["baseline"]
     for key in SHAPES:  # changing any one entry changes the output
@@ -233,8 +233,9 @@ def test_a_single_environment_stream_sends_the_observation_as_a_map(tmp_path):
 def test_inference_refuses_a_non_finite_entry_naming_it():
     import polybeast
 
-    info = envs.env_info(argparse.Namespace(env=ENV))
-    model = models.create_model(argparse.Namespace(hidden_size=8), info["observation_shape"], K)
+    info = envs.env_info(flag_helpers.make_flags(env=ENV))
+    model = models.create_model(flag_helpers.make_flags(hidden_size=8),
+                                info["observation_shape"], K)
     schema = rollout.Schema.of(info["env_fields"], model, K)
     outputs = schema.zeros((1, 2), source="env")
     polybeast.check_env_outputs(schema, outputs)

@@ -1,7 +1,6 @@
 """Tests of beast/envs.py: create_env, the Atari preprocessing, and RolloutAdapter's rollout
 format."""
 
-import argparse
 import sys
 
 import ale_py
@@ -9,12 +8,13 @@ import gymnasium
 import numpy as np
 import pytest
 
+import flag_helpers
 from beast import envs, rollout, vector_envs
 
 
 def make_flags(env, **kwargs):
     kwargs.setdefault("episodic_life", False)
-    return argparse.Namespace(env=env, **kwargs)
+    return flag_helpers.make_flags(env=env, **kwargs)
 
 
 def make_adapter(env, seed=0, **kwargs):

@@ -7,13 +7,13 @@ PolyBeast (single-environment and batched streams), with nothing edited outside
 this test: the model and a loss term that records the batch are patched in.
 """
 
-import argparse
 
 import gymnasium
 import numpy as np
 import pytest
 import torch
 
+import flag_helpers
 import monobeast
 from beast import envs, learner, models, rollout
 
@@ -87,7 +87,7 @@ def test_polybeast_batches_carry_new_fields(tmp_path, monkeypatch, keep_process_
 # The schema's own rules.
 
 def cartpole_fields():
-    return envs.RolloutAdapter(envs.create_env(argparse.Namespace(env="CartPole-v1"))).fields
+    return envs.RolloutAdapter(envs.create_env(flag_helpers.make_flags(env="CartPole-v1"))).fields
 
 
 def test_schema_of_a_model_lists_every_output():
@@ -154,7 +154,7 @@ class Declares(gymnasium.Wrapper):
 
 def test_fields_are_declared_by_any_wrapper_and_required_in_step():
     env = Declares(gymnasium.wrappers.RecordEpisodeStatistics(
-        envs.create_env(argparse.Namespace(env="CartPole-v1"))))
+        envs.create_env(flag_helpers.make_flags(env="CartPole-v1"))))
     adapter = envs.RolloutAdapter(env)
     assert [f.name for f in adapter.extra_fields] == ["lives"]
     assert adapter.initial()["lives"] == 0  # absent from reset's info: zero

@@ -159,7 +159,7 @@ def test_bad_video_flags_are_reported_together(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     for text in ("--record_video records the games of --mode test",
-                 "--eval_video_interval_steps must not be negative",
+                 "--eval_video_interval_steps must be an integer >= 0 (got -1)",
                  "pip install imageio-ffmpeg"):
         assert text in result.stderr
     assert "Traceback" not in result.stderr
