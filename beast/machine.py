@@ -1,8 +1,8 @@
 """What a run or a benchmark ran on: the CPU model and its bf16 support, the cores, the GPU.
 
-Speeds differ between machines (and the bf16 gain with them: about 1.7x with AMX, 1.16x
-with AVX-512 BF16 on this project's machines), so every figure needs its machine beside
-it: meta.json records describe(), and bench's reports print it.
+Speeds differ between machines, and the bf16 gain with them (AMX tiles give more than
+AVX-512 BF16 instructions, and emulated bf16 is slower than float32), so every figure needs
+its machine beside it: meta.json records describe(), and bench's reports print it.
 """
 
 import os
