@@ -313,7 +313,7 @@ class StatsLogger:
     def __init__(self, run_dir, use_tensorboard=True, flags=None, start_step=None):
         self.path = run_dir.logs_path
         self._wandb = None
-        if flags is not None and getattr(flags, "wandb_project", None):
+        if flags is not None and flags.wandb_project:
             self._wandb = WandbTracker(run_dir, flags)
         if start_step is not None:
             try:
