@@ -347,8 +347,11 @@ def _add_run_flags(group):
                        help="Train a model, or load the run's checkpoint and "
                             "play --test_episodes episodes.")
     group.add_argument("--xpid", default=None,
-                       help="Experiment id; a run with an existing id resumes "
-                            "from its checkpoint (default: a new time stamp).")
+                       help="Experiment id; a run with an existing id resumes from its "
+                            "checkpoint, with its saved flags where none is typed. A typed "
+                            "flag takes effect (the optimizer's included), except those that "
+                            "fix the environment and the network, which are refused "
+                            "(default: a new time stamp).")
     group.add_argument("--savedir", default="~/logs/beast",
                        help="Root directory; a run writes to savedir/xpid/.")
     group.add_argument("--seed", type=Number(int, low=0), default=0,
@@ -357,8 +360,11 @@ def _add_run_flags(group):
 
 def _add_learner_flags(group):
     group.add_argument("--total_steps", type=Number(int, low=1), default=None,
-                       help="Environment steps to train for "
-                            f"(default: {_env_default('total_steps')}).")
+                       help="Environment steps to train for; the learning rate decays "
+                            "linearly to 0 here. The schedule is a function of the step and "
+                            "this total, so a resume with a longer one continues at the rate "
+                            "the new total gives at the current step (higher than before) "
+                            f"and decays from there (default: {_env_default('total_steps')}).")
     group.add_argument("--batch_size", type=Number(int, low=1), default=None,
                        help="Rollouts per learner batch "
                             f"(default: {_env_default('batch_size')}).")

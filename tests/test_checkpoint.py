@@ -103,4 +103,5 @@ def test_compat_lists_every_differing_key():
     assert "checkpoint was trained with --use_lstm True, you gave --use_lstm False" in message
     assert "--env" not in message and "--hidden_size" not in message
     assert "--xpid" in message
+    assert "cannot change on a resume" in message and message.count("\n") == 3  # one message
     checkpoint.check_compatible(saved, argparse.Namespace(**saved))  # same flags: no error
