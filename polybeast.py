@@ -601,7 +601,8 @@ def check_env_outputs(schema, env_outputs):
     except ValueError as e:
         raise training.UserError(
             f"{e}. Do the env servers run the same --env as the learner?") from None
-    # Values the model cannot take. (A non-finite reward is the loss's to skip.)
+    # Values the model cannot take. (The actor pool refuses NaN and inf in what the servers
+    # send, rewards included, naming the server: libpolybeast.BadStep.)
     last_action = env_outputs["last_action"]
     for name in rollout.observation_names(env_outputs):  # frame, or a Dict's entries
         frame = env_outputs[name]
@@ -623,6 +624,8 @@ def check_env_outputs(schema, env_outputs):
 def run_actor_pool(actor_pool, addresses, flags):
     try:
         actor_pool.run()
+    except libpolybeast.BadStep as e:  # what a server sent, not where: no address to check
+        raise training.UserError(str(e)) from None
     except RuntimeError as e:  # the first actor's error; it also closed the queues
         raise training.UserError(
             f"{e}\nThe actors stream from {', '.join(sorted(set(addresses)))}; start env "
@@ -847,11 +850,15 @@ def act(flags, schema, models, addresses, slots, free_reader, full_writer, error
 
 def _failure(errors, threads):
     """(is a UserError, message) for the first thread that failed or ended; else None."""
+    ended = [t.name for t in threads if not t.is_alive()]
+    if ended:
+        # An actor pool that fails closes the queues, which ends the other threads before
+        # its own (it joins its actors first): wait for it, threads[0], to say why.
+        threads[0].join(JOIN_TIMEOUT_S)
     try:
         errors.raise_first()
     except Exception as e:
         return isinstance(e, training.UserError), str(e)
-    ended = [t.name for t in threads if not t.is_alive()]
     if ended:
         return False, f"thread {', '.join(ended)} of the acting process ended unexpectedly."
     return None

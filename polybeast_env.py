@@ -24,6 +24,9 @@ started again on its address, with fresh seeds, and the learner's actor thread r
 so is one whose environment has been in one step for --step_timeout_s (a hang), after it is killed.
 If polybeast_env itself is killed, its servers notice and stop.
 One that never came up (beast/restarts.py) stops every server, and the exit status is 1.
+An address where no server can listen (a socket directory that does not exist, an address in
+use) or an environment that cannot be created ends it before any server starts, with one
+message and exit status 2; "serving" is said once every server listens.
 Servers that other machines reach can serve TLS (--tls_cert, --tls_key, --tls_client_ca;
 beast/tls.py).
 
@@ -33,9 +36,11 @@ Those left at None take the learners' default for the environment's kind (beast.
 """
 
 import argparse
+import errno
 import multiprocessing
 import os
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -199,13 +204,15 @@ class Watched:
         return getattr(self.env, name)
 
 
-def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None):
+def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None,
+          listening=None):
     """Serves environments at `address` until SIGTERM/SIGINT (main thread) or the process ends.
 
     flags needs the environment flags (beast.flags.add_env_flags), seed and envs_per_stream
     (None: what the learner asks for, else 1). life: how often this server was restarted.
     parent_pid: stop once this process is gone. stepping: a shared float array with a slot
-    per stream to watch (Watched). Usable as a multiprocessing target.
+    per stream to watch (Watched). listening: an Event set once the server listens. Usable
+    as a multiprocessing target; one that cannot listen exits with its message.
     """
     import libpolybeast
 
@@ -224,13 +231,11 @@ def serve(flags, address, server_index=0, life=0, parent_pid=None, stepping=None
                                poll_s=PARENT_POLL_S)
     owns_address = True
     try:
-        server.run()
-    except RuntimeError as error:
+        server.run(on_listening=None if listening is None else listening.set)
+    except RuntimeError as error:  # it could not listen: the message says why
         # Refused because another server listens there: its socket is not ours to remove.
         owns_address = "address in use" not in str(error)
-        if not owns_address:
-            sys.exit(f"polybeast_env: {error}")
-        raise
+        sys.exit(f"polybeast_env: {error}")
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -297,6 +302,51 @@ def flag_problems(flags, parser):
     return problems
 
 
+def listen_problem(address):
+    """Why no server can listen at `address`, found before any starts (else each server would
+    say it, after a page of gRPC's log): a unix socket's directory that does not exist or is
+    not writable, or an address in use. None when none of these."""
+    path = socket_path(address)
+    which = "--pipes_basename" if path else "--address"
+    in_use = (f"address in use: {address}; another env server listens there? stop it or pick "
+              f"another {which}.")
+    if path:
+        directory = os.path.dirname(path) or "."
+        if not os.path.isdir(directory):
+            return (f"cannot listen at {address}: the directory {directory} does not exist; "
+                    f"create it or pick another {which}.")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return (f"cannot listen at {address}: the directory {directory} is not writable; "
+                    f"pick another {which}.")
+        with socket.socket(socket.AF_UNIX) as probe:
+            return in_use if probe.connect_ex(path) == 0 else None
+    host, port = split_host_port(address)
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as error:
+        return f"cannot listen at {address}: {error.strerror or error}; pick another {which}."
+    why = None
+    for family, kind, proto, _, sockaddr in found:
+        # As the server binds (SO_REUSEADDR, no SO_REUSEPORT): a port where another server
+        # listens is refused, one that closed connections wait on is not.
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+                return None  # the server listens on the addresses it can bind
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return in_use
+                why = why or error.strerror
+    return f"cannot listen at {address}: {why}; pick another {which}."
+
+
+def refuse(message):
+    """Ends polybeast_env with its one message and exit status 2, before any server starts."""
+    print(f"polybeast_env: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv=None):
     parent = os.getppid()  # before anything slow: the parent may die while we start
     parser = make_parser()
@@ -305,10 +355,13 @@ def main(argv=None):
     if problems:
         sys.exit(f"polybeast_env: {beast_flags.FlagError(problems)}")
     addresses = server_addresses(flags)
+    problem = next(filter(None, map(listen_problem, addresses)), None)
+    if problem is not None:
+        refuse(problem)
     try:
         resolve_env_flags(flags)
     except (ValueError, ImportError) as error:
-        sys.exit(f"polybeast_env: {error}")
+        refuse(error)
 
     # spawn, not fork: each server starts its own gRPC runtime from scratch.
     servers = [ServerProcess(multiprocessing.get_context("spawn"), flags, address, i)
@@ -320,8 +373,11 @@ def main(argv=None):
     try:
         for server in servers:
             server.start()
-        print(f"polybeast_env: serving {flags.env} at {', '.join(addresses)}", flush=True)
-        while not stop.wait(0.5):
+        announced = False
+        while not stop.wait(0.5 if announced else 0.05):
+            if not announced and all(s.listening.is_set() for s in servers):
+                print(f"polybeast_env: serving {flags.env} at {', '.join(addresses)}", flush=True)
+                announced = True
             if flags.exit_with_parent and os.getppid() != parent:
                 print("polybeast_env: the process that started us is gone; stopping",
                       file=sys.stderr, flush=True)
@@ -347,13 +403,14 @@ class ServerProcess:
         self.process = None
         # When each stream's step began, 0 while none runs (Watched); no lock: one writer a slot.
         self.stepping = context.Array("d", STREAM_SLOTS, lock=False)
+        self.listening = context.Event()  # set once it listened, and for good
 
     def start(self):
         self.stepping[:] = [0.0] * STREAM_SLOTS  # the steps of a killed process are no more
         self.process = self.context.Process(
             target=serve,
             args=(self.flags, self.address, self.index, self.policy.restarts, os.getpid(),
-                  self.stepping),
+                  self.stepping, self.listening),
             name=self.name)
         self.started = time.monotonic()
         self.process.start()

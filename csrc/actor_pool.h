@@ -32,9 +32,15 @@
 // - streams that keep ending before a rollout is complete for connect_timeout_s
 //   since the first contact or the end of the last stream that completed one
 //   (such streams reconnect with the backoff, not at once);
-// - a step without one of env_keys, or a bad answer from inference.
+// - a step without one of env_keys, one with NaN or inf in a float array the
+//   server sent (check_finite), or a bad answer from inference: these raise
+//   BadStep.
 // The first such error closes both queues (so every other thread ends) and
 // run() rethrows it, naming the server.
+//
+// A batched step (Step.batch) may leave out truncated (false) and game_over
+// (== done), as a single-environment Step may: servers from before those
+// fields still serve.
 //
 // On a single-environment stream, Action carries the action twice, as
 // `action` (int32, for our older servers) and as `nest_action`, a 0-d int64
@@ -62,9 +68,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -84,6 +92,14 @@
 #include "stream_layout.h"
 
 namespace beast {
+
+// A step the learner cannot take (a missing env key, a NaN, an array that does
+// not fit) or a bad inference answer: run() raises it as libpolybeast.BadStep,
+// a RuntimeError, so that Python tells it from a server it cannot reach.
+class BadStep : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 class ActorPool {
  public:
@@ -393,6 +409,8 @@ class ActorPool {
       throw;
     } catch (const ClosedBatchingQueue&) {
       // The queues were closed: a normal shutdown.
+    } catch (const std::invalid_argument& e) {  // what the server sent, or inference
+      fail(index, e.what(), /*bad_step=*/true);
     } catch (const std::exception& e) {
       fail(index, e.what());
     } catch (...) {
@@ -400,16 +418,20 @@ class ActorPool {
     }
   }
 
-  void fail(size_t index, const std::string& what) {
+  // The first error is the one run() raises; the others are only logged.
+  void fail(size_t index, const std::string& what, bool bad_step = false) {
+    bool first = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!first_error_) {
-        first_error_ = std::make_exception_ptr(std::runtime_error(
-            "ActorPool: actor " + std::to_string(index) + " for env server '" +
-            addresses_[index] + "' failed: " + what));
+        first = true;
+        const std::string message = "ActorPool: actor " + std::to_string(index) +
+                                    " for env server '" + addresses_[index] + "' failed: " + what;
+        first_error_ = bad_step ? std::make_exception_ptr(BadStep(message))
+                                : std::make_exception_ptr(std::runtime_error(message));
       }
     }
-    log(index, "failed: " + what);
+    if (!first) log(index, "failed too: " + what);
     close_all();
   }
 
@@ -463,6 +485,7 @@ class ActorPool {
         const bool batched = step.has_batch();
         Nest env_outputs = batched ? batch_env_outputs(&step) : env_outputs_of(&step, last_action);
         check_env_keys(env_outputs);
+        check_finite(env_outputs, /*last_action_is_ours=*/!batched);
         int64_t n = batch_size(env_outputs, 1);
         if (num_envs == 0) {
           num_envs = n;
@@ -568,7 +591,10 @@ class ActorPool {
   }
 
   // The inference inputs of a stream of N environments: Step.batch's arrays,
-  // [N, ...] each, become [1, N, ...] ([T=1, B=N]).
+  // [N, ...] each, become [1, N, ...] ([T=1, B=N]). As in the single-
+  // environment format, a server that sends no truncated (one from before the
+  // field) cuts no episode short, and one without game_over ends its games at
+  // every done.
   static Nest batch_env_outputs(rpcenv::Step* step) {
     Nest batch = nest_from_proto(step->mutable_batch(), "batch");
     if (batch.kind != Nest::Kind::kDict) {
@@ -581,7 +607,87 @@ class ActorPool {
       }
       value.array.shape.insert(value.array.shape.begin(), 1);
     }
+    auto done = batch.fields.find("done");
+    if (done != batch.fields.end()) {
+      const std::vector<int64_t> shape = {1, done->second.array.shape[1]};
+      batch.fields.emplace("truncated", Nest::of(filled_array<bool>(dtypes::kBool, false, shape)));
+      batch.fields.emplace("game_over", done->second);  // shares the bytes
+    }
     return batch;
+  }
+
+  // Every float array the server sent must be finite: a NaN reward makes NaN
+  // logits (the model takes the reward) and a NaN episode_return logs NaN.
+  // A single-environment stream's last_action is not the server's but ours.
+  // The reward first: a NaN there makes the episode_return NaN too.
+  static void check_finite(const Nest& env_outputs, bool last_action_is_ours) {
+    auto reward = env_outputs.fields.find("reward");
+    if (reward != env_outputs.fields.end()) check_finite(reward->first, reward->second);
+    for (const auto& [key, value] : env_outputs.fields) {
+      if (!(last_action_is_ours && key == "last_action")) check_finite(key, value);
+    }
+  }
+
+  static void check_finite(const std::string& key, const Nest& value) {
+    if (value.kind != Nest::Kind::kArray) return;
+    const Array& a = value.array;
+    std::optional<int64_t> bad = first_not_finite(a);
+    if (!bad) return;
+    // Arrays are [T=1, N, ...]: the element's environment is its index along N.
+    const int64_t n = a.shape.size() > 1 ? a.shape[1] : 1;
+    const int64_t per_env = n > 0 ? a.numel() / n : 1;
+    const int64_t env = per_env > 0 ? *bad / per_env : 0;
+    throw std::invalid_argument(
+        "the env server sent a '" + key + "' with NaN or inf in it (environment " +
+        std::to_string(env) + " of " + std::to_string(n) + " on the stream: " +
+        element_str(a, *bad) + "); the environment, or a wrapper of it, made it. The learner " +
+        "takes finite values only: fix the environment so that its rewards and observations " +
+        "stay finite");
+  }
+
+  // The flat index of the first NaN or inf of a float array; nullopt if none
+  // (or not a float array). Elements are copied out: the bytes of a proto need
+  // not be aligned.
+  static std::optional<int64_t> first_not_finite(const Array& a) {
+    const int64_t count = a.numel();
+    const char* bytes = a.bytes();
+    if (a.dtype == 11) {  // float32
+      for (int64_t i = 0; i < count; ++i) {
+        float x;
+        std::memcpy(&x, bytes + i * sizeof(x), sizeof(x));
+        if (!std::isfinite(x)) return i;
+      }
+    } else if (a.dtype == 12) {  // float64
+      for (int64_t i = 0; i < count; ++i) {
+        double x;
+        std::memcpy(&x, bytes + i * sizeof(x), sizeof(x));
+        if (!std::isfinite(x)) return i;
+      }
+    } else if (a.dtype == 23) {  // float16: all exponent bits set is inf or NaN
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t x;
+        std::memcpy(&x, bytes + i * sizeof(x), sizeof(x));
+        if ((x & 0x7C00) == 0x7C00) return i;
+      }
+    }
+    return std::nullopt;
+  }
+
+  // Element i of a float array that first_not_finite found: "nan", "inf" or "-inf".
+  static std::string element_str(const Array& a, int64_t i) {
+    double x;
+    if (a.dtype == 11) {
+      float f;
+      std::memcpy(&f, a.bytes() + i * sizeof(f), sizeof(f));
+      x = f;
+    } else if (a.dtype == 12) {
+      std::memcpy(&x, a.bytes() + i * sizeof(x), sizeof(x));
+    } else {
+      uint16_t h;
+      std::memcpy(&h, a.bytes() + i * sizeof(h), sizeof(h));
+      x = (h & 0x03FF) ? NAN : ((h & 0x8000) ? -INFINITY : INFINITY);
+    }
+    return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
   }
 
   // Every step must carry the env keys of the run, and may carry more.

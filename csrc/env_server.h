@@ -60,6 +60,7 @@
 #include <pthread.h>
 #include <pybind11/pybind11.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -108,20 +109,28 @@ class EnvServer {
   ~EnvServer() { stop(); }
 
   // Serves until stop(). Returns at once if stop() came first. Raises if the
-  // address is in use or cannot be bound. Calls check_interrupt (if given)
-  // every 100 ms; if it throws, the server stops and its exception is rethrown.
-  void run(const std::function<void()>& check_interrupt = nullptr) {
+  // address is in use or cannot be bound. Calls on_listening (if given) once
+  // it listens, and check_interrupt (if given) every 100 ms; if either throws,
+  // the server stops and its exception is rethrown.
+  void run(const std::function<void()>& check_interrupt = nullptr,
+           const std::function<void()>& on_listening = nullptr) {
     if (is_raw_address(address_)) {
       RawServing serving(this);  // listens now, or throws
+      if (on_listening) on_listening();  // on a throw, ~RawServing stops serving
       wait_for_stop(check_interrupt, [&serving]() { serving.stop(); });
       return;
     }
     const std::string in_use = "EnvServer: address in use: " + address_ +
                                "; another env server listens there? stop it or pick another "
                                "address";
-    // gRPC unlinks an existing socket file before binding to its path.
-    if (address_.rfind("unix:", 0) == 0 && accepts_connections(address_)) {
-      throw std::runtime_error(in_use);
+    if (address_.rfind("unix:", 0) == 0) {
+      // gRPC unlinks an existing socket file before binding to its path.
+      if (accepts_connections(address_)) throw std::runtime_error(in_use);
+      // Said here, in one line: gRPC's own error for it is a page of its log.
+      std::string problem = socket_directory_problem(address_);
+      if (!problem.empty()) {
+        throw std::runtime_error("EnvServer: could not listen on '" + address_ + "': " + problem);
+      }
     }
     grpc::ServerBuilder builder;
     builder.AddListeningPort(address_, server_credentials(tls_));
@@ -143,10 +152,19 @@ class EnvServer {
                           : "' (address in use, bad address, or directory not writable?)"));
     }
     // Streams wait on their clients; the deadline cancels them.
-    wait_for_stop(check_interrupt, [&server]() {
+    auto shutdown = [&server]() {
       server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
       server->Wait();
-    });
+    };
+    if (on_listening) {
+      try {
+        on_listening();
+      } catch (...) {
+        shutdown();
+        throw;
+      }
+    }
+    wait_for_stop(check_interrupt, shutdown);
   }
 
   // Idempotent; run() returns soon after.
@@ -189,6 +207,24 @@ class EnvServer {
     }
     shutdown();
     if (interrupt) std::rethrow_exception(interrupt);
+  }
+
+  // Why no socket file can be made at a "unix:PATH" address (its directory is
+  // missing or not writable); empty when one can, or the address is not one.
+  static std::string socket_directory_problem(const std::string& address) {
+    std::string path = address.substr(5);
+    if (path.rfind("//", 0) == 0) path = path.substr(2);
+    size_t slash = path.rfind('/');
+    std::string directory = slash == std::string::npos ? "." : path.substr(0, slash);
+    if (directory.empty()) directory = "/";
+    struct stat st;
+    if (::stat(directory.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      return "the directory " + directory + " does not exist; create it or pick another path";
+    }
+    if (::access(directory.c_str(), W_OK | X_OK) != 0) {
+      return "the directory " + directory + " is not writable; pick another path";
+    }
+    return "";
   }
 
   // Whether something accepts a connection at `address` ("unix:PATH",

@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -79,6 +80,7 @@ PYBIND11_MODULE(libpolybeast, m) {
 
   py::register_exception<beast::ClosedBatchingQueue>(m, "ClosedBatchingQueue",
                                                      PyExc_RuntimeError);
+  py::register_exception<beast::BadStep>(m, "BadStep", PyExc_RuntimeError);
 
   py::class_<BatchingQueue, std::shared_ptr<BatchingQueue>>(
       m, "BatchingQueue",
@@ -198,7 +200,9 @@ PYBIND11_MODULE(libpolybeast, m) {
       "with 'frame' (a dict observation: 'frame/<key>' per entry) and 'last_action',\n"
       "plus any extra key of the environment's dict),\n"
       "so an environment-side rollout field needs no C++ change; a step that lacks\n"
-      "one of env_keys (list of str) fails the run naming the key and the server.\n"
+      "one of env_keys (list of str) fails the run naming the key and the server; a\n"
+      "batched step may leave out truncated (false) and game_over (== done), as a\n"
+      "single-environment Step may.\n"
       "Every array of a step is [1, 1, ...]; a rollout is a dict of [T+1, 1, ...]\n"
       "arrays (T = unroll_length) whose last step is step 0 of the next one.\n"
       "A single environment's action goes out as Action.action (int32) and as\n"
@@ -254,8 +258,9 @@ PYBIND11_MODULE(libpolybeast, m) {
           "naming the address for the first actor that failed: an env server that sent\n"
           "no Step for connect_timeout_s; streams that kept ending before a rollout was\n"
           "complete for connect_timeout_s (the message counts them and gives the last\n"
-          "reason); a step without one of env_keys; a bad inference answer. That also\n"
-          "closes both queues.")
+          "reason). BadStep (a RuntimeError) for a step the learner cannot take: one\n"
+          "without one of env_keys, or with NaN or inf in a float array the server sent;\n"
+          "or a bad inference answer. That also closes both queues.")
       .def("count", &ActorPool::count, "Environment steps taken so far.")
       .def("env_errors", &ActorPool::env_errors,
            "Environment restarts after errors so far, as the env servers report them\n"
@@ -297,10 +302,23 @@ PYBIND11_MODULE(libpolybeast, m) {
            py::arg("env_factory"), py::arg("server_address"), py::arg("keepalive_s") = 10.0,
            py::arg("tls") = py::none())
       .def(
-          "run", [](EnvServer& server) { wait_without_gil([&] { server.run(check_signals); }); },
-          "Serves until stop(). Raises RuntimeError if the address cannot be bound, or\n"
-          "'address in use: <address>; ...' if another server listens there (a TCP\n"
-          "port is never shared; a unix socket file is replaced only if nobody listens).")
+          "run",
+          [](EnvServer& server, py::object on_listening) {
+            std::function<void()> listening;
+            if (!on_listening.is_none()) {
+              listening = [&on_listening]() {
+                py::gil_scoped_acquire gil;
+                on_listening();
+              };
+            }
+            wait_without_gil([&] { server.run(check_signals, listening); });
+          },
+          py::arg("on_listening") = py::none(),
+          "Serves until stop(). Calls on_listening() (if given) once it listens.\n"
+          "Raises RuntimeError if the address cannot be bound (a unix socket's\n"
+          "directory that does not exist, say), or 'address in use: <address>; ...'\n"
+          "if another server listens there (a TCP port is never shared; a unix socket\n"
+          "file is replaced only if nobody listens).")
       .def("stop", &EnvServer::stop, release_gil(), "Makes run() return; idempotent.")
       .def_property_readonly("address", &EnvServer::address);
 

@@ -4,6 +4,7 @@ count, Step.env_errors), refusing an address in use, and dropping a client that 
 keepalive pings. Also libpolybeast.ActorPool against a Python gRPC server that behaves as
 TorchBeast's does (tests/torchbeast_server.py)."""
 
+import math
 import os
 import queue
 import socket
@@ -285,13 +286,42 @@ def test_tcp_address(rpcenv):
         server.stop()
 
 
-def test_stop_before_run_and_bad_address(tmp_path):
+def test_stop_before_run_and_bad_address(tmp_path, capfd):
+    """A socket in a directory that does not exist is refused with one message, before
+    gRPC tries (and logs its own error)."""
     server = libpolybeast.EnvServer(Factory(), f"unix:{tmp_path}/early.sock")
     server.stop()
     server.run()  # returns at once
     bad = libpolybeast.EnvServer(Factory(), f"unix:{tmp_path}/no/such/dir/env.sock")
-    with pytest.raises(RuntimeError, match="could not listen"):
-        bad.run()
+    with pytest.raises(RuntimeError, match=f"could not listen on 'unix:{tmp_path}/no/such/dir/"
+                                           f"env.sock': the directory {tmp_path}/no/such/dir "
+                                           "does not exist"):
+        bad.run(on_listening=lambda: pytest.fail("it did not listen"))
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("scheme", ["unix:", "raw:"])
+def test_on_listening_is_called_once_the_server_listens(tmp_path, scheme):
+    """run(on_listening) says when the address is bound (what polybeast_env waits for
+    before it says it serves); if on_listening raises, the server stops and run() raises it."""
+    address = f"{scheme}{tmp_path}/env.sock"
+    server = libpolybeast.EnvServer(Factory(), address)
+    listened = []
+
+    def on_listening():
+        listened.append(os.path.exists(tmp_path / "env.sock"))
+        server.stop()
+
+    server.run(on_listening=on_listening)
+    assert listened == [True]
+
+    def refuse():
+        raise KeyError("no thanks")
+
+    with pytest.raises(KeyError, match="no thanks"):
+        libpolybeast.EnvServer(Factory(), address).run(on_listening=refuse)
+    with socket.socket(socket.AF_UNIX) as probe:
+        assert probe.connect_ex(str(tmp_path / "env.sock")) != 0, "it still listens"
 
 
 def test_stop_ends_open_streams(rpcenv, address):
@@ -312,6 +342,10 @@ def test_polybeast_env_serves_and_stops_cleanly_on_sigterm(rpcenv, tmp_path):
          "--pipes_basename", base, "--seed", "3"],
         cwd=PROTO_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # It says it serves once every server listens, not before.
+        serving = process.stdout.readline()
+        assert serving.startswith("polybeast_env: serving CartPole-v1"), serving
+        assert (tmp_path / "pb.0").exists() and (tmp_path / "pb.1").exists()
         for i in range(2):
             client = Client(rpcenv, f"{base}.{i}")
             first = client.first()
@@ -328,7 +362,7 @@ def test_polybeast_env_serves_and_stops_cleanly_on_sigterm(rpcenv, tmp_path):
             process.kill()
             process.communicate(timeout=JOIN_TIMEOUT_S)
     assert process.returncode == 0, err
-    assert "serving CartPole-v1" in out
+    assert "serving" not in out  # said once
     assert not (tmp_path / "pb.0").exists() and not (tmp_path / "pb.1").exists()
 
 
@@ -497,16 +531,17 @@ ENV_KEYS = ("frame", "reward", "done", "game_over", "episode_return", "episode_s
 
 
 def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeout_s=10.0,
-                     envs_per_stream=0, stream_timeout_s=30.0, tls=None):
-    """Runs an ActorPool (action = frame[0] % 3) on one server until num_rollouts arrive, or
-    run() fails. Returns (rollouts, pool, the error run() raised or None). tls: the pool's
-    (test_tls.py)."""
+                     envs_per_stream=0, stream_timeout_s=30.0, tls=None, env_keys=ENV_KEYS,
+                     choose=None):
+    """Runs an ActorPool (action = frame[0] % 3, or choose(env_outputs)) on one server until
+    num_rollouts arrive, or run() fails. Returns (rollouts, pool, the error run() raised or
+    None). tls: the pool's (test_tls.py)."""
     learner_queue = libpolybeast.BatchingQueue(batch_dim=1, maximum_batch_size=1,
                                                maximum_queue_size=num_rollouts)
     batcher = libpolybeast.DynamicBatcher(batch_dim=1, timeout_ms=5)
     pool = libpolybeast.ActorPool(
         unroll_length=unroll_length, learner_queue=learner_queue, inference_batcher=batcher,
-        env_server_addresses=[server_address], initial_agent_state=(), env_keys=ENV_KEYS,
+        env_server_addresses=[server_address], initial_agent_state=(), env_keys=env_keys,
         connect_timeout_s=connect_timeout_s, envs_per_stream=envs_per_stream,
         stream_timeout_s=stream_timeout_s, tls=tls)
     run_errors = []
@@ -514,7 +549,10 @@ def run_pool_against(server_address, unroll_length, num_rollouts, connect_timeou
     def inference():
         for batch in batcher:
             env_outputs, state = batch.get_inputs()
-            action = env_outputs["frame"][..., 0].astype(np.int64) % 3
+            if choose is None:
+                action = env_outputs["frame"][..., 0].astype(np.int64) % 3
+            else:
+                action = choose(env_outputs)
             batch.set_outputs((dict(action=action), state))
 
     def run():
@@ -706,6 +744,73 @@ def test_actor_pool_refuses_an_extra_that_clashes_with_a_step_field(rpcenv, addr
     assert "env.sock" in str(error) and "extras entry 'reward' clashes" in str(error)
 
 
+# Servers from before a field, and servers that send what no learner should take.
+
+def alternate(env_outputs):
+    """CartPole's actions 0, 1, 0, ... by episode step."""
+    return (env_outputs["episode_step"] % 2).astype(np.int64)
+
+
+def test_actor_pool_takes_batched_steps_without_truncated_or_game_over(rpcenv, address):
+    """A batched server from before the truncated and game_over fields
+    (tests/old_batched_server.py) serves today's learner: as in the single-environment
+    format, a step without truncated was not cut short, and one without game_over ends the
+    game at done."""
+    from old_batched_server import OldBatchedServer
+
+    server = OldBatchedServer(rpcenv, address, num_envs=3)
+    try:
+        rollouts, _, error = run_pool_against(
+            address, unroll_length=20, num_rollouts=30, envs_per_stream=3,
+            env_keys=ENV_KEYS + ("truncated",), choose=alternate)
+    finally:
+        server.stop()
+    assert error is None, error
+    assert len(rollouts) == 30
+    for rollout in rollouts:
+        assert rollout["truncated"].dtype == np.bool_ and rollout["truncated"].shape == (21, 1)
+        assert not rollout["truncated"].any()
+        assert rollout["game_over"].dtype == np.bool_
+        assert (rollout["game_over"] == rollout["done"]).all()
+    assert sum(int(r["done"][1:].sum()) for r in rollouts) > 0  # episodes did end
+
+
+class NaNRewardLives(LivesEnv):
+    """TorchBeast's single-environment format, with a NaN reward at the 3rd step."""
+
+    def step(self, action):
+        observation, reward, done, info = super().step(action)
+        return observation, (math.nan if self.total == 3 else reward), done, info
+
+
+@pytest.mark.parametrize("case", ["single-reward", "batched-reward", "batched-return"])
+def test_actor_pool_refuses_a_step_with_nan_naming_the_server_and_the_field(rpcenv, address,
+                                                                           case):
+    """A NaN reward would make NaN logits (the model takes the reward) and a NaN
+    episode_return a NaN mean return: the first one ends the run with BadStep, naming the
+    server, the field and the environment of the stream."""
+    from old_batched_server import OldBatchedServer
+
+    if case == "single-reward":
+        server = TorchBeastServer(rpcenv, address, env_factory=NaNRewardLives)
+        field, where = "reward", "environment 0 of 1"
+    else:
+        server = OldBatchedServer(rpcenv, address, num_envs=3,
+                                  fault="nan-reward" if case == "batched-reward" else "nan-return")
+        field = "reward" if case == "batched-reward" else "episode_return"
+        where = "environment 2 of 3"
+    try:
+        rollouts, _, error = run_pool_against(address, unroll_length=5, num_rollouts=10,
+                                              envs_per_stream=3, choose=alternate)
+    finally:
+        server.stop()
+    assert rollouts == []
+    assert isinstance(error, libpolybeast.BadStep) and isinstance(error, RuntimeError)
+    message = str(error)
+    assert address in message and f"sent a '{field}' with NaN or inf" in message, message
+    assert f"({where} on the stream: nan)" in message, message
+
+
 # An address in use is refused, and the server already there keeps serving.
 
 @pytest.mark.parametrize("kind", ["tcp", "unix"])
@@ -837,6 +942,51 @@ def test_polybeast_env_refuses_an_address_in_use_and_leaves_the_first_server_alo
     finally:
         first.terminate()
         first.wait(30)
+
+
+@pytest.mark.slow  # a polybeast_env process each
+@pytest.mark.parametrize("case", ["no-directory", "unix-in-use", "tcp-in-use"])
+def test_polybeast_env_that_cannot_listen_says_why_in_one_line(tmp_path, case):
+    """A socket directory that does not exist, or an address where another server listens:
+    polybeast_env exits 2 with one line that names the address and what to change, without
+    saying first that it serves there, and without gRPC's log."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if case == "no-directory":
+        where = ["--pipes_basename", f"unix:{tmp_path}/missing/env"]
+        message = (f"cannot listen at unix:{tmp_path}/missing/env.0: the directory "
+                   f"{tmp_path}/missing does not exist; create it or pick another "
+                   "--pipes_basename.")
+        taken = None
+    elif case == "unix-in-use":
+        where = ["--pipes_basename", f"unix:{tmp_path}/env"]
+        message = (f"address in use: unix:{tmp_path}/env.0; another env server listens there? "
+                   "stop it or pick another --pipes_basename.")
+        taken = ServerThread(Factory(), f"unix:{tmp_path}/env.0")
+    else:
+        port = free_port()
+        where = ["--address", f"127.0.0.1:{port}"]
+        message = (f"address in use: 127.0.0.1:{port}; another env server listens there? stop "
+                   "it or pick another --address.")
+        taken = ServerThread(Factory(), f"127.0.0.1:{port}")
+    try:
+        if taken is not None:
+            wait_until = time.monotonic() + JOIN_TIMEOUT_S
+            target = f"{tmp_path}/env.0" if case == "unix-in-use" else ("127.0.0.1", port)
+            family = socket.AF_UNIX if case == "unix-in-use" else socket.AF_INET
+            while time.monotonic() < wait_until:
+                with socket.socket(family) as probe:
+                    if probe.connect_ex(target) == 0:
+                        break
+                time.sleep(0.05)
+        result = subprocess.run(
+            [sys.executable, "-m", "polybeast_env", "--env", "CartPole-v1", "--num_servers",
+             "2", *where], cwd=repo, capture_output=True, text=True, timeout=60)
+    finally:
+        if taken is not None:
+            taken.stop()
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"polybeast_env: error: {message}\n"
+    assert "serving" not in result.stdout
 
 
 def test_watched_adapter_marks_its_steps_in_a_shared_slot():
