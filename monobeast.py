@@ -106,6 +106,7 @@ class Sampler:
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
         self.state_buffers = state_buffers
         self.error_count = error_count
+        self.name = name
         self.model_keys = schema.model_names()
         self.envs = vector_envs.create_vector_env(flags, num_envs, seed,
                                                   on_error=self._count_error, name=name)
@@ -128,6 +129,9 @@ class Sampler:
             return self.error_count.value
 
     def _store(self, env_outputs):
+        problem = vector_envs.nonfinite_problem(env_outputs, self.flags.env)
+        if problem is not None:
+            raise training.UserError(f"{self.name}: {problem}")
         for key, array in self.current.items():
             array[...] = env_outputs[key]
 
@@ -182,14 +186,15 @@ def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers
     system.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * times_restarted)
-    sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
-                      seed=flags.seed * 100 + actor_index + 1_000_003 * times_restarted,
-                      error_count=error_count, name=f"actor {actor_index}",
-                      stepping=stepping)
     # A learner killed outright sends no stop, and the other actors keep the queue's pipe
     # open: without this the actor would wait on free_queue for ever.
     restarts.when_orphaned(os.getppid(), lambda: os._exit(0), name="learner-watch")
+    sampler = None
     try:
+        sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
+                          seed=flags.seed * 100 + actor_index + 1_000_003 * times_restarted,
+                          error_count=error_count, name=f"actor {actor_index}",
+                          stepping=stepping)
         while True:
             indices = []
             for _ in range(flags.envs_per_actor):
@@ -200,8 +205,11 @@ def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers
             sampler.unroll(indices)
             for index in indices:
                 full_queue.put(index)
+    except training.UserError as e:  # the learner gives the message (get_batch)
+        full_queue.put(str(e))
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
 
 
 # ----------------------------------------------------------------------------
@@ -210,6 +218,9 @@ def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers
 def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     """Takes batch_size filled buffers; returns (batch, initial_agent_state) or None at shutdown."""
     indices = [full_queue.get() for _ in range(flags.batch_size)]
+    problem = next((i for i in indices if isinstance(i, str)), None)
+    if problem is not None:  # an actor's message (run_actor): it has stopped
+        raise training.UserError(problem)
     if any(i is None for i in indices):
         return None
     batch, state = rollout.select_batch(buffers, state_buffers, indices)

@@ -33,6 +33,7 @@ Only numpy, gymnasium, ale_py and the optional environment packages (minatar, en
 import difflib
 import importlib
 import re
+import traceback
 
 import ale_py
 import gymnasium
@@ -661,8 +662,12 @@ def _make_env(flags, render_mode=None):
         module, env_id = env_id.split(":", 1)
         try:
             importlib.import_module(module)
-        except ImportError as error:
+        except ModuleNotFoundError as error:
+            if error.name is None or not (module + ".").startswith(error.name + "."):
+                _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
             raise ValueError(f"Cannot import {module!r} for environment {env_id!r}: {error}") from error
+        except Exception as error:  # a syntax error, or anything its code raised
+            _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
     if env_id in ("Null-v0", "NullAtari-v0"):
         spec = gymnasium.spec(env_id)
         return NullEnv(**spec.kwargs)  # without gymnasium.make's wrappers, which would add overhead
@@ -670,7 +675,24 @@ def _make_env(flags, render_mode=None):
         raise ValueError(_unknown_env_message(env_id))
     if _atari_spec_kwargs(env_id) is not None:
         return _make_atari(env_id, flags, render_mode)
-    return _make_registered(env_id, render_mode)
+    try:
+        return _make_registered(env_id, render_mode)
+    except Exception as error:  # the environment's own constructor, or its entry point's module
+        entry_point = gymnasium.spec(env_id).entry_point
+        if not isinstance(entry_point, str):  # a class or function: module:name
+            entry_point = f"{entry_point.__module__}:{entry_point.__qualname__}"
+        _raise_from_env_code(flags.env, f"creating {env_id!r} (entry point {entry_point})", error)
+
+
+def _raise_from_env_code(env_flag, doing, error):
+    """The environment's own code (its module, its constructor) raised `error` while we were
+    `doing` something: its traceback goes to stderr as it is, then a ValueError names the
+    environment and the module, which the entry points print as their one message."""
+    traceback.print_exception(error)
+    raise ValueError(
+        f"--env {env_flag}: {doing} raised {type(error).__name__}: {error} (its traceback is "
+        "above). Fix the environment's code, or check that --env names the environment you "
+        "mean (module:EnvId)") from error
 
 
 def env_kind(env):

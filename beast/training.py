@@ -532,8 +532,8 @@ def run_training(flags, variant, ranks, run_dir, info, checkpoint):
             runlog.write_metadata(run_dir, flags, dict(
                 world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
                 machine=machine.describe(device)))
-        resume_step = None if checkpoint is None else checkpoint["step"]
-        with (runlog.StatsLogger(run_dir, flags=flags, start_step=resume_step) if ranks.is_main
+        start_step = 0 if checkpoint is None else checkpoint["step"]
+        with (runlog.StatsLogger(run_dir, flags=flags, start_step=start_step) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:
             model = build_model(flags, info).to(device)
             acting_model = variant.acting_model(flags, info, model)

@@ -468,11 +468,12 @@ def test_serial_mode(tmp_path):
 
 
 @pytest.mark.parametrize("num_actors", [0, 2], ids=["serial", "actors"])
-def test_infinite_reward_never_reaches_weights_or_checkpoint(tmp_path, num_actors):
-    """Rewards turn infinite after a while: each update is skipped and counted, the run stops
+def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path, num_actors):
+    """Rewards turn huge after a while (1e30: finite, so the actors take them, but their
+    squared error in the loss is not): each update is skipped and counted, the run stops
     with one message after --max_nonfinite_updates in a row, and the checkpoint written last
     holds the good weights (of the last finite update)."""
-    result = run_monobeast(tmp_path, "--env", "tests.flaky_env:InfiniteRewardCartPole-v0",
+    result = run_monobeast(tmp_path, "--env", "tests.flaky_env:HugeRewardCartPole-v0",
                            "--xpid", "inf", "--num_actors", num_actors, "--envs_per_actor", 4,
                            "--batch_size", 4, "--unroll_length", 20, "--total_steps", 400_000,
                            "--log_interval_steps", 800, "--checkpoint_interval_s", 0,

@@ -838,10 +838,11 @@ def test_non_loopback_address_warns(tmp_path):
     assert result.returncode == 2
 
 
-def test_infinite_reward_never_reaches_weights_or_checkpoint(tmp_path):
-    """As in MonoBeast: skipped updates, one message, a checkpoint with finite weights."""
+def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path):
+    """As in MonoBeast (huge rewards): skipped updates, one message, a checkpoint with finite
+    weights."""
     result = run(tmp_path, *polybeast_args(
-        tmp_path, "--env", "tests.flaky_env:InfiniteRewardCartPole-v0", "--num_actors", "2",
+        tmp_path, "--env", "tests.flaky_env:HugeRewardCartPole-v0", "--num_actors", "2",
         "--envs_per_stream", "2", "--batch_size", "4", "--unroll_length", "20",
         "--total_steps", "400000", "--checkpoint_interval_s", "0",
         "--max_nonfinite_updates", "3", xpid="inf"))
