@@ -616,6 +616,7 @@ def test_server_that_goes_silent_every_time_fails_the_run(tmp_path, rpcenv, step
                          r"complete; the last one: no Step for", message), message
 
 
+@pytest.mark.slow
 def test_streams_that_end_before_a_rollout_fail_the_run(tmp_path, rpcenv, capfd):
     """A server that ends every stream after 2 Steps (a rollout needs 5): no progress, so
     the run ends after connect_timeout_s with the count of such streams and the last reason;
@@ -647,6 +648,7 @@ def test_streams_that_end_before_a_rollout_fail_the_run(tmp_path, rpcenv, capfd)
     assert re.search(r"\((\d+) such line\(s\) suppressed in the last [0-9.]+ s\)$", lines[1])
 
 
+@pytest.mark.slow
 def test_time_in_inference_or_the_learner_queue_does_not_count_as_silence(tmp_path, rpcenv,
                                                                            capfd):
     """A slow but live environment (0.2 s a step), inference slower than the stream timeout,

@@ -456,6 +456,7 @@ def read_logs(run_dir):
     ("polybeast", ["--num_actors", "2", "--envs_per_stream", "1"]),
     ("polybeast", ["--num_actors", "2", "--envs_per_stream", "3"]),
 ], ids=["monobeast-serial", "monobeast-actors", "polybeast-one-env", "polybeast-batched"])
+@pytest.mark.slow
 def test_trains_and_tests_on_pendulum(tmp_path, variant, args):
     """A short run finishes whole episodes (200 steps each) and logs finite losses; --mode test
     then plays with the checkpoint's mean action."""
@@ -471,6 +472,7 @@ def test_trains_and_tests_on_pendulum(tmp_path, variant, args):
     assert "mean return" in test.stdout
 
 
+@pytest.mark.slow
 def test_learns_pendulum(tmp_path):
     """The continuous-control defaults take Pendulum-v1 to a mean return above -400 (100
     episodes) within 300k steps. Tuning runs got there at 80k-150k steps (14 seeds of 14; the

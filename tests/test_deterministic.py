@@ -98,6 +98,7 @@ def train(savedir, xpid, *args):
     return rows
 
 
+@pytest.mark.slow
 def test_two_runs_with_actors_write_the_same_logs(tmp_path):
     """Two actors, 3 environments each, batches of 4 (batches straddle rounds and
     actors), an LSTM (core states in the buffers) and offline evaluation (rows written
@@ -119,6 +120,7 @@ def test_two_runs_with_actors_write_the_same_logs(tmp_path):
         assert {k: a[k] for k in columns} == {k: b[k] for k in columns}, (a, b)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_deterministic_run_cleanly(tmp_path):
     """The learner thread sees the stop request while it waits on the schedule; the
     actors, which ignore SIGINT, are released; the checkpoint is written."""
@@ -145,6 +147,7 @@ def test_ctrl_c_stops_a_deterministic_run_cleanly(tmp_path):
 
 
 @pytest.mark.parametrize("env_id", ["CrashingCartPole-v0", "LockHoldingCartPole-v0"])
+@pytest.mark.slow
 def test_a_dead_actor_ends_a_deterministic_run_with_one_message(tmp_path, env_id):
     """Restarted actors would act on another schedule: --deterministic is not restarted.
     Also when the actor died holding the schedule's lock, which it then holds for ever."""

@@ -191,14 +191,16 @@ def check_batch(batch, T=10, B=4):
     assert torch.equal(lit, torch.ones_like(lit))
 
 
-@pytest.mark.parametrize("args", [["--num_actors", "1", "--envs_per_actor", "4"],
-                                  ["--num_actors", "0"]], ids=["actors", "serial"])
+@pytest.mark.parametrize("args", [
+    pytest.param(["--num_actors", "1", "--envs_per_actor", "4"], id="actors"),
+    pytest.param(["--num_actors", "0"], id="serial", marks=pytest.mark.slow)])
 def test_monobeast_batches_carry_the_entries(tmp_path, monkeypatch, keep_process_state, args):
     for batch in train_recording_batches(monobeast, tmp_path, monkeypatch, *args):
         check_batch(batch)
 
 
 @pytest.mark.parametrize("envs_per_stream", ["1", "2"], ids=["single", "batched"])
+@pytest.mark.slow
 def test_polybeast_batches_carry_the_entries(tmp_path, monkeypatch, keep_process_state,
                                              envs_per_stream):
     polybeast = pytest.importorskip("polybeast")
@@ -267,6 +269,7 @@ def test_one_entry_alone_earns_a_quarter():
         assert abs(earned[name] / steps - 1 / K) < 0.04, earned
 
 
+@pytest.mark.slow
 def test_monobeast_learns_a_task_that_needs_both_entries(tmp_path):
     """With the defaults (an image entry: the image defaults), the mean return of 100 episodes
     passes 0.8 within 150k steps (seeds 0, 1, 2 passed it at 90k, 60k and 80k and ended at

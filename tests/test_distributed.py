@@ -95,6 +95,7 @@ def _rank_main(rank, port, results):
         ranks.close()
 
 
+@pytest.mark.slow
 def test_average_gradients_is_the_mean_over_ranks():
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -140,6 +141,7 @@ def torchrun(tmp_path, *args, nproc=2):
             str(tmp_path / "runs"), "--xpid", "run", *args]
 
 
+@pytest.mark.slow
 def test_two_ranks_count_every_step_log_once_and_resume(tmp_path):
     env = child_env(tmp_path)
     done = subprocess.run(torchrun(tmp_path, *SHORT, "--total_steps", "4000"), cwd=REPO,
@@ -183,6 +185,7 @@ def start_ranks(tmp_path, *args):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.slow
 def test_a_rank_that_dies_or_stops_stops_the_other(tmp_path, sig):
     ranks = start_ranks(tmp_path, *SHORT, "--total_steps", "100000000",
                         "--log_interval_steps", "1000", "--dist_timeout_s", "60")
@@ -216,6 +219,7 @@ needs_netns = pytest.mark.skipif(netns.reason() is not None, reason=str(netns.re
 
 
 @needs_netns
+@pytest.mark.slow
 def test_env_servers_on_another_host_over_tcp(tmp_path):
     env = child_env(tmp_path)
     with netns.Hosts() as hosts:
@@ -242,6 +246,7 @@ def test_env_servers_on_another_host_over_tcp(tmp_path):
 
 
 @needs_netns
+@pytest.mark.slow
 def test_two_learner_ranks_on_two_hosts_learn_cartpole(tmp_path):
     env = child_env(tmp_path)
     with netns.Hosts() as hosts:

@@ -332,6 +332,7 @@ def test_stop_ends_open_streams(rpcenv, address):
     client.close()
 
 
+@pytest.mark.slow
 def test_polybeast_env_serves_and_stops_cleanly_on_sigterm(rpcenv, tmp_path):
     import signal
     import subprocess
@@ -899,6 +900,7 @@ class BlackHoleProxy:
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_client_that_drops_off_the_network_is_dropped(rpcenv):
     """Keepalive: a client that answers pings may take its time; one that stops answering is
     dropped within about 2 * keepalive_s, and its environment closed."""
@@ -925,6 +927,7 @@ def test_a_client_that_drops_off_the_network_is_dropped(rpcenv):
         server.stop()
 
 
+@pytest.mark.slow
 def test_polybeast_env_refuses_an_address_in_use_and_leaves_the_first_server_alone(tmp_path):
     """A second `python -m polybeast_env` on the same unix socket exits with the message, and
     the first server's socket stays there (it used to be removed on the way out)."""

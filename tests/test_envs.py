@@ -401,6 +401,7 @@ def test_same_seed_same_trajectory(env_id):
 # Optional packages: run only where they are installed.
 
 
+@pytest.mark.slow
 def test_minatar_channels_first():
     pytest.importorskip("minatar", reason="MinAtar is optional: pip install minatar")
     info = envs.env_info(make_flags("MinAtar/Breakout-v1"))

@@ -49,6 +49,7 @@ def one_message(stderr):
 
 @pytest.mark.parametrize("num_actors, reward", [(0, "NaN"), (2, "NaN"), (2, "Infinite")],
                          ids=["serial-nan", "actors-nan", "actors-inf"])
+@pytest.mark.slow
 def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, reward):
     """The model takes the reward: a NaN made NaN logits, and torch.multinomial's traceback
     ended the run. Now the actor (or, serial, the learner) that stepped the environment
@@ -67,6 +68,7 @@ def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, rew
     assert runlog.read_logs(run_dir / "logs.csv") and (run_dir / "model.tar").exists()
 
 
+@pytest.mark.slow
 def test_polybeast_refuses_a_nan_reward_naming_the_server(tmp_path):
     """The same from env servers: the actor pool refuses the step (libpolybeast.BadStep),
     naming the server, the field and the environment of the stream, without the hint about
@@ -107,6 +109,7 @@ RAISED = {"syntax": "importing the module 'broken_env' raised SyntaxError",
 @pytest.mark.parametrize("entry, fault", [
     ("monobeast", "syntax"), ("monobeast", "constructor"), ("polybeast", "import"),
     ("polybeast", "constructor"), ("polybeast_env", "syntax"), ("polybeast_env", "import")])
+@pytest.mark.slow
 def test_an_environment_module_that_raises_is_named_under_its_traceback(tmp_path, entry,
                                                                          fault):
     (tmp_path / "mods").mkdir()
@@ -130,6 +133,7 @@ def test_an_environment_module_that_raises_is_named_under_its_traceback(tmp_path
 # ---------------------------------------------------------------------------------------------
 # Wire compatibility.
 
+@pytest.mark.slow
 def test_polybeast_trains_on_a_batched_server_from_before_truncated(tmp_path):
     """A batched server that sends no truncated and no game_over (tests/old_batched_server.py,
     gRPC from Python) serves today's learner: it used to end with "the env server sent a step

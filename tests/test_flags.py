@@ -365,6 +365,7 @@ def test_polybeast_env_fills_episodic_life_from_the_env_kind():
     assert polybeast_env.resolve_env_flags(flags).episodic_life is True
 
 
+@pytest.mark.slow
 def test_polybeast_env_serves_atari_standalone(tmp_path):
     """python -m polybeast_env --env ALE/Pong-v5, without a learner's flags."""
     socket = tmp_path / "pb.0"

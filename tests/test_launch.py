@@ -40,6 +40,7 @@ def cell(row, column):
 # ---------------------------------------------------------------------------------------------
 # The launcher, end to end.
 
+@pytest.mark.slow
 def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     """2 envs x monobeast x 2 seeds: every run finishes, keeps its output in its folder, and
     a second launch skips them all; the report has a row per variant with both seeds and a
@@ -83,6 +84,7 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
         assert f"(plots/{env}.png)" in report
 
 
+@pytest.mark.slow
 def test_failing_runs_are_reported_not_fatal(tmp_path):
     """A bad flag and an unknown env: both runs fail, the second still runs, and the report
     and launch.json record each exit with the end of its stderr."""
@@ -123,6 +125,7 @@ def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_runs_and_the_next_launch_resumes(tmp_path):
     """Ctrl-C on the launcher: its child checkpoints and exits, its process group is gone and
     the run is recorded as stopped. Launching again continues from the checkpoint.

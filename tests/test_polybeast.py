@@ -263,6 +263,7 @@ def test_a_learner_off_the_cpu_gets_a_copy_of_the_slot_which_goes_back_at_once()
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_learns_cartpole(tmp_path):
     """Mean return >= 400 over the last 100 episodes within 1M steps (usually 300k-500k; the
     budget leaves room for a slow seed of the race). The run is stopped with
@@ -294,6 +295,7 @@ def test_learns_cartpole(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_atari_smoke_run_and_resume(tmp_path):
     run_dir = tmp_path / "runs" / "pong"
     args = ["--env", "ALE/Pong-v5", "--num_actors", "2", "--batch_size", "4",
@@ -318,6 +320,7 @@ def test_atari_smoke_run_and_resume(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_envpool_servers_with_several_environments_per_stream(tmp_path):
     """EnvPool behind the servers, 3 environments per stream: the learner gets [T+1, B]
     batches of rollouts from 2 x 3 environments, trains, and logs."""
@@ -362,6 +365,7 @@ def start_training(tmp_path, *args):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sigterm_stops_everything_and_checkpoints(tmp_path):
     """Also: the servers started here listen at raw:PATH."""
     run_dir = tmp_path / "runs" / "run"
@@ -412,6 +416,7 @@ def acting_pid(learner_pid):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.slow
 def test_a_killed_acting_process_is_started_again(tmp_path, start_method):
     """SIGKILL to the acting process (the actor threads and inference; what the OOM killer
     might pick): a warning, a new acting process with the learned weights, and the steps go
@@ -446,6 +451,7 @@ def test_a_killed_acting_process_is_started_again(tmp_path, start_method):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_learner_killed_alone_leaves_no_acting_process(tmp_path):
     """SIGKILL to the learner's process only (its group lives on): the acting process sees
     that its parent is gone and ends, as the servers do."""
@@ -462,6 +468,7 @@ def test_a_learner_killed_alone_leaves_no_acting_process(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
     """timeout(1) and Slurm signal the learner's whole process group: the acting process
     leaves the stopping to the learner, which checkpoints and stops it."""
@@ -484,6 +491,7 @@ def test_sigterm_to_the_process_group_stops_the_run_cleanly(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [["--acting_start_method", "spawn"],
                                    ["--acting_precision", "bf16"]], ids=["spawn", "bf16"])
+@pytest.mark.slow
 def test_the_acting_process_acts_with_the_learners_weights(tmp_path, flags):
     """The acting process acts with the weights the learner writes after each step, so the
     policy lag stays a few updates (a copy that never reached it would lag by every update),
@@ -512,6 +520,7 @@ def test_the_acting_process_acts_with_the_learners_weights(tmp_path, flags):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_servers_started_elsewhere(tmp_path):
     servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
                     "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
@@ -571,6 +580,7 @@ def test_servers_by_hand_get_the_layout_of_servers_started_here(monkeypatch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
     """Servers started by hand without --envs_per_stream host as many environments per stream
     as the learner asks for, not TorchBeast's one: on CartPole, with 3 addresses, 85, so that
@@ -603,6 +613,7 @@ def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scheme", ["unix", "raw"])
+@pytest.mark.slow
 def test_env_server_killed_and_restarted(tmp_path, scheme):
     """With a single env server, training can only finish if the actors reconnect to it."""
     server_args = ["polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
@@ -660,6 +671,7 @@ def stop_cleanly(tmp_path, process):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_crashed_server_process_is_started_again(tmp_path):
     """A server process of the run's own that dies (here SIGKILL, as from the OOM killer or
     a crash in an environment's C code) is started again, its actor reconnects, and the run
@@ -684,6 +696,7 @@ def test_a_crashed_server_process_is_started_again(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_killed_polybeast_env_is_started_again_and_leaves_nothing_behind(tmp_path):
     """polybeast_env itself killed (SIGKILL: it cannot stop its servers): its servers stop on
     their own, the learner starts polybeast_env again, the actors reconnect, and when the run
@@ -714,6 +727,7 @@ def test_a_killed_polybeast_env_is_started_again_and_leaves_nothing_behind(tmp_p
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_server_with_a_hung_environment_is_killed_and_started_again(tmp_path, monkeypatch):
     """An environment that stops answering (one step sleeps for an hour) would hold its
     server's thread and core for good: after --stream_timeout_s, which the learner passes to
@@ -744,6 +758,7 @@ def test_a_server_with_a_hung_environment_is_killed_and_started_again(tmp_path, 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_servers_stop_when_their_polybeast_env_is_killed(tmp_path):
     """A polybeast_env started by hand and killed with SIGKILL leaves no server serving on."""
     server = start(tmp_path, "server", "polybeast_env", "--env", "CartPole-v1",
@@ -765,6 +780,7 @@ def test_servers_stop_when_their_polybeast_env_is_killed(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_a_server_that_keeps_dying_stops_polybeast_env(tmp_path):
     """Restarts are for servers that served: one that dies again within QUICK_EXIT_S of
     each of MAX_QUICK_RESTARTS restarts in a row (beast/restarts.py) is given up, and
@@ -790,6 +806,7 @@ def test_a_server_that_keeps_dying_stops_polybeast_env(tmp_path):
     assert f"the last {restarts.MAX_QUICK_RESTARTS} starts each ended within" in err
 
 
+@pytest.mark.slow
 def test_unreachable_servers_end_the_run_with_one_message(tmp_path):
     address = f"unix:{tmp_path}/nobody"
     result = run(tmp_path, *polybeast_args(
@@ -803,6 +820,7 @@ def test_unreachable_servers_end_the_run_with_one_message(tmp_path):
     assert checkpoint_step(run_dir) == 0
 
 
+@pytest.mark.slow
 def test_bad_flags_are_reported_together(tmp_path):
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--num_actors", "0", "--num_inference_threads", "0",
@@ -815,6 +833,7 @@ def test_bad_flags_are_reported_together(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_socket_path_too_long_is_one_error_and_a_long_tmpdir_is_avoided(tmp_path):
     """A unix socket's path holds 107 bytes: a longer --pipes_basename is refused up front,
     and a run whose $TMPDIR is that long (a cluster job's scratch) puts its sockets in /tmp."""
@@ -830,6 +849,7 @@ def test_a_socket_path_too_long_is_one_error_and_a_long_tmpdir_is_avoided(tmp_pa
     assert checkpoint_step(tmp_path / "runs" / "tmpdir") >= 2000
 
 
+@pytest.mark.slow
 def test_non_loopback_address_warns(tmp_path):
     result = run(tmp_path, *polybeast_args(
         tmp_path, "--server_addresses", "192.0.2.1:4000", "--connect_timeout_s", "1",
@@ -838,6 +858,7 @@ def test_non_loopback_address_warns(tmp_path):
     assert result.returncode == 2
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path):
     """As in MonoBeast (huge rewards): skipped updates, one message, a checkpoint with finite
     weights."""
@@ -864,6 +885,7 @@ SERVERS_THAT_DO_NOT_FIT = {
 
 
 @pytest.mark.parametrize("case", sorted(SERVERS_THAT_DO_NOT_FIT))
+@pytest.mark.slow
 def test_a_server_that_does_not_fit_ends_the_run_at_once(tmp_path, case):
     """A CartPole learner pointed at a server that sends other observations (Acrobot's [6]),
     `done` as uint8, a NaN observation or a last_action out of range: one message saying what
@@ -890,6 +912,7 @@ def test_a_server_that_does_not_fit_ends_the_run_at_once(tmp_path, case):
         stop_group(servers)
 
 
+@pytest.mark.slow
 def test_minatar_trains(tmp_path):
     """MinAtar's NumPy seeding refuses seeds of 2**32 and more: the seeds the servers derive
     stay below, and a run trains (it used to fail in every stream)."""

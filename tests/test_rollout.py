@@ -67,14 +67,16 @@ def check_batch(batch, T=10, B=4):
     assert batch["aux"].abs().sum() > 0 and torch.isfinite(batch["aux"]).all()
 
 
-@pytest.mark.parametrize("args", [["--num_actors", "1", "--envs_per_actor", "4"],
-                                  ["--num_actors", "0"]], ids=["actors", "serial"])
+@pytest.mark.parametrize("args", [
+    pytest.param(["--num_actors", "1", "--envs_per_actor", "4"], id="actors"),
+    pytest.param(["--num_actors", "0"], id="serial", marks=pytest.mark.slow)])
 def test_monobeast_batches_carry_new_fields(tmp_path, monkeypatch, keep_process_state, args):
     for batch in train_recording_batches(monobeast, tmp_path, monkeypatch, *args):
         check_batch(batch)
 
 
 @pytest.mark.parametrize("envs_per_stream", ["1", "2"], ids=["single", "batched"])
+@pytest.mark.slow
 def test_polybeast_batches_carry_new_fields(tmp_path, monkeypatch, keep_process_state,
                                              envs_per_stream):
     polybeast = pytest.importorskip("polybeast")

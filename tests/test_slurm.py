@@ -82,6 +82,7 @@ def slurm_env(tmp_path, **settings):
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "TLS_DIR"])
+@pytest.mark.slow
 def test_slurm_script_runs_servers_and_two_learner_ranks(tmp_path, tls):
     """With TLS_DIR, the job's certificates are made there and both sides use them."""
     if tls and shutil.which("openssl") is None:

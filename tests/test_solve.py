@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from bench import solve
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -43,6 +45,7 @@ def run_solve(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_run_in_pieces_resumes_and_sums_its_wall_time(tmp_path):
     """A first piece of 4 s (start-up included: too short for CartPole to reach 300) is
     stopped with its checkpoint (exit 3); the next invocation resumes the run until the
@@ -72,12 +75,14 @@ def test_a_run_in_pieces_resumes_and_sums_its_wall_time(tmp_path):
     assert len(json.loads((savedir / solve.PIECES).read_text())) == 2  # not run again
 
 
+@pytest.mark.slow
 def test_pieces_need_a_workdir():
     done = run_solve("--piece_s", 5)
     assert done.returncode == 2
     assert "--piece_s needs --workdir" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_seed_past_its_time_limit_fails_and_is_kept_failed(tmp_path):
     """The limit bounds the run's whole wall time: a seed that cannot reach the target in
     it fails (exit 1), and the same command reports it again without running it."""

@@ -85,6 +85,7 @@ def local_address():
 # ----------------------------------------------------------------------------
 # Our actors against grpcio's TLS server (TorchBeast's wire format, tests/torchbeast_server.py).
 
+@pytest.mark.slow
 def test_actor_pool_streams_over_tls_from_an_independent_server(rpcenv, pki):
     address = local_address()
     server = TorchBeastServer(rpcenv, address, credentials=grpc_server_credentials(pki))
@@ -102,6 +103,7 @@ def test_actor_pool_streams_over_tls_from_an_independent_server(rpcenv, pki):
 
 @pytest.mark.parametrize("case", ["plain client", "other CA", "wrong name",
                                   "no client certificate"])
+@pytest.mark.slow
 def test_actor_pool_refuses_or_is_refused_when_tls_does_not_fit(rpcenv, pki, case):
     """Each mismatch ends the pool's run with its 'could not reach' error, no stream opened:
     a pool without TLS, a server whose certificate another CA signed, a certificate made out
@@ -151,6 +153,7 @@ def test_actor_pool_target_name_and_client_certificate(rpcenv, pki, case):
 # ----------------------------------------------------------------------------
 # Our EnvServer against grpcio's TLS client.
 
+@pytest.mark.slow
 def test_env_server_serves_tls_to_an_independent_client(rpcenv, pki):
     import grpc
 
@@ -170,6 +173,7 @@ def test_env_server_serves_tls_to_an_independent_client(rpcenv, pki):
         server.stop()
 
 
+@pytest.mark.slow
 def test_env_server_with_a_client_ca_admits_only_certified_clients(rpcenv, pki):
     import grpc
 
@@ -190,6 +194,7 @@ def test_env_server_with_a_client_ca_admits_only_certified_clients(rpcenv, pki):
         server.stop()
 
 
+@pytest.mark.slow
 def test_env_server_and_actor_pool_refuse_tls_configurations_that_cannot_work(pki, tmp_path):
     with pytest.raises(ValueError, match="cert_chain and private_key go together"):
         libpolybeast.EnvServer(Factory(), local_address(),
@@ -221,6 +226,7 @@ def test_env_server_with_a_key_that_does_not_match_its_certificate_says_so(pki):
 # ----------------------------------------------------------------------------
 # The command lines.
 
+@pytest.mark.slow
 def test_a_learner_trains_on_tls_servers_and_a_plain_one_is_told_why_it_cannot(pki, tmp_path):
     """polybeast_env --tls_cert/--tls_key/--tls_client_ca and polybeast --tls_ca/--tls_cert/
     --tls_key train CartPole together; a learner without --tls_ca gets a message that names
@@ -290,6 +296,7 @@ def test_polybeast_env_refuses_bad_tls_flags(pki, args, message):
     (["--server_addresses", "127.0.0.1:4000", "--tls_ca", "{pki}/ca.key"],
      "--tls_ca: "),
 ])
+@pytest.mark.slow
 def test_polybeast_refuses_bad_tls_flags(pki, tmp_path, args, message):
     args = [a.format(pki=pki) for a in args]
     result = run(tmp_path, *polybeast_args(tmp_path, "--env", "CartPole-v1", *args))

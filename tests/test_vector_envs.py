@@ -83,6 +83,7 @@ def test_wrong_number_of_actions_and_bad_arguments():
         vector_envs.create_vector_env(make_flags("CartPole-v1", env_backend="nope"), 1, seed=0)
 
 
+@pytest.mark.slow
 def test_envpool_backend_follows_our_episode_convention():
     """Row 0 of an EnvPool VectorEnv against RolloutAdapter(EnvPoolSingle), an independent path
     through the same emulator (EnvPool seeds environment 0 of a pool alike), over thousands of

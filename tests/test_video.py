@@ -76,6 +76,7 @@ def test_recorded_game_decodes_with_one_frame_per_step(tmp_path, env_id, size, f
         assert np.abs(frames[0][..., 0].astype(float) - frames[0][..., 1]).max() > 30
 
 
+@pytest.mark.slow
 def test_gif_of_a_recorded_game(tmp_path):
     """python -m beast.video gif: every second frame of the MP4, half the size, looping."""
     flags = make_flags("--env", "CartPole-v1")
@@ -116,6 +117,7 @@ def test_video_frame_makes_any_rgb_image_encodable():
             video.video_frame(bad)
 
 
+@pytest.mark.slow
 def test_train_and_test_videos_for_both_variants(tmp_path):
     """Training records one evaluation game every N steps, named by step; --mode test
     records every game, with MonoBeast and PolyBeast alike."""
@@ -138,6 +140,7 @@ def test_train_and_test_videos_for_both_variants(tmp_path):
             assert frames.shape[0] >= 9 and frames.shape[1:] == (400, 600, 3)
 
 
+@pytest.mark.slow
 def test_an_environment_without_rgb_frames_is_refused_before_training(tmp_path):
     result = run("monobeast", tmp_path, "--env", "Null-v0", "--xpid", "null",
                  "--eval_video_interval_steps", 1000, check=False)
@@ -150,6 +153,7 @@ def test_an_environment_without_rgb_frames_is_refused_before_training(tmp_path):
     assert problem.startswith("--record_video needs") and "Null-v0" in problem
 
 
+@pytest.mark.slow
 def test_bad_video_flags_are_reported_together(tmp_path):
     """--record_video is for --mode test; a missing encoder names the package to install."""
     code = ("import sys; sys.modules['imageio_ffmpeg'] = None; import monobeast; "
@@ -195,6 +199,7 @@ def test_a_video_on_a_full_disk_is_one_error_and_no_file(small_disk):
     assert os.listdir(videos) == []
 
 
+@pytest.mark.slow
 def test_a_video_that_cannot_be_written_does_not_end_training(tmp_path):
     """Evaluation videos that fail (here: a file where the videos folder should be) are a
     warning: training and the evaluations go on. --mode test ends with one message."""

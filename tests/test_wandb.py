@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from wandb.proto import wandb_internal_pb2
 
 from beast import runlog
+
+pytestmark = pytest.mark.slow  # every test here runs a training or a fresh interpreter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
