@@ -9,8 +9,11 @@ Data path:
 
 Run `python -m monobeast --help` for the flags.  `--num_actors 0` steps the
 environments in the learner's own process (serial mode, for debuggers).
-`--deterministic` replaces the two queues by a fixed schedule (Lockstep), so that
-runs with actor processes are reproducible.
+`--deterministic` replaces the two queues by a fixed schedule (beast/lockstep.py), so
+that runs with actor processes are reproducible.
+
+The run around the actors (flags, run directory, learner, logs, checkpoints, resume,
+evaluation, --mode test) is beast/training.py, which PolyBeast shares.
 """
 
 import argparse
@@ -179,7 +182,7 @@ class Sampler:
 def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
               error_count, times_restarted=0, stepping=None):
     """Actor process: takes free buffer indices, fills them, hands them on.
-    times_restarted: how often the actors were started again (train_parallel): new seeds
+    times_restarted: how often the actors were started again (train_loop): new seeds
     each time.
     stepping: the shared value the actor's Sampler writes for the watchdog."""
     system.leave_stop_signals_to_the_learner()
@@ -275,27 +278,24 @@ def acting_model(flags, info, model):
 
 
 def train_loop(run, model, environments):
+    """Actor processes fill the shared buffers (run_actor); learner threads in this process
+    learn on them (Acting starts both), while this thread supervises. --num_actors 0 steps
+    and learns in this thread (train_serial); --deterministic keeps the actors and the
+    learner on a fixed schedule (beast/lockstep.py).
+
+    When an actor process is killed (beast/restarts.py says when that is a fault to ride
+    out), the queues may be left locked by it (it dies waiting on one, holding its lock),
+    so the whole acting side is started again: the other actors and the learner threads are
+    stopped, the rollouts in flight dropped, and fresh actors act with the learned weights
+    on new queues and freshly seeded environments."""
     flags = run.flags
     buffers = create_buffers(flags, run.schema)
     state_buffers = create_state_buffers(model, flags.num_buffers)
-    with lockstep.deterministic_kernels(flags.deterministic):
-        if flags.num_actors == 0:
-            train_serial(run, model, buffers, state_buffers)
-        elif flags.deterministic:
-            lockstep.train(run, model, buffers, state_buffers, Sampler)
-        else:
-            train_parallel(run, model, buffers, state_buffers)
-
-
-def train_parallel(run, model, buffers, state_buffers):
-    """Actor processes fill buffers; learner threads in this process learn on them.
-
-    When an actor process is killed (beast/restarts.py says when that is a fault to ride
-    out), the queues may be left locked by it (it dies
-    waiting on one, holding its lock), so the whole acting side is started again: the
-    other actors and the learner threads are stopped, the rollouts in flight dropped, and
-    fresh actors act with the learned weights on new queues and freshly seeded
-    environments."""
+    if flags.num_actors == 0 or flags.deterministic:
+        with lockstep.deterministic_kernels(flags.deterministic):
+            if flags.num_actors == 0:
+                return train_serial(run, model, buffers, state_buffers)
+            return lockstep.train(run, model, buffers, state_buffers, Sampler)
     policy, env_errors = restarts.RestartPolicy(), 0
     while True:
         acting = Acting(run, model, buffers, state_buffers, policy.restarts, env_errors)

@@ -102,7 +102,8 @@ def make_parser():
                         help="Under torchrun: end the run when another learner rank sends no "
                              "heartbeat, or a gradient all-reduce waits, for this long (a rank "
                              "that crashed is usually noticed at once).")
-    parser.add_argument("--max_learner_queue_size", type=beast_flags.Number(int, low=1), default=None,
+    parser.add_argument("--max_learner_queue_size", type=beast_flags.Number(int, low=1),
+                        default=None,
                         help="Rollouts that may wait for the learner before the actors block; "
                              "a short queue keeps the policy lag small (default: batch_size).")
     tls.add_learner_flags(parser)
@@ -117,7 +118,8 @@ def _add_server_flags(parser):
                              f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}; "
                              "one per address of --server_addresses).")
     parser.add_argument("--envs_per_stream",
-                        type=beast_flags.Number(int, 1, libpolybeast.MAX_ENVS_PER_STREAM), default=None,
+                        type=beast_flags.Number(int, 1, libpolybeast.MAX_ENVS_PER_STREAM),
+                        default=None,
                         help="Environments behind each env server stream, stepped together and "
                              "sent as one batch (default: "
                              f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}; with fewer than "
@@ -138,9 +140,10 @@ def _add_server_flags(parser):
                              "polybeast_env` (at --server_addresses, or <pipes_basename>.i).")
     parser.add_argument("--server_addresses", default=None,
                         help="Comma-separated addresses of running env servers (unix:PATH, "
-                             "raw:PATH or HOST:PORT); actor i streams from address i mod their number. "
-                             "Implies --no_start_servers.")
-    parser.add_argument("--connect_timeout_s", type=beast_flags.Number(float, above=0), default=60.0,
+                             "raw:PATH or HOST:PORT); actor i streams from address i mod their "
+                             "number. Implies --no_start_servers.")
+    parser.add_argument("--connect_timeout_s", type=beast_flags.Number(float, above=0),
+                        default=60.0,
                         help="End the run when an env server cannot be reached for this long "
                              "(at the start, or after it went away), or when its streams keep "
                              "ending before a rollout is complete for this long.")
@@ -737,7 +740,7 @@ class ActingProcess:
         self.models, self.env_errors_before = models, env_errors_before
         self.started = time.monotonic()
         self.process = context.Process(
-            target=act, name="acting", daemon=True,
+            target=run_acting_process, name="acting", daemon=True,
             args=(flags, run.schema, models, addresses, self.slots, free_reader, full_writer,
                   error_writer, self.error_count, self.stopping, os.getpid(), run.device))
         self.process.start()
@@ -816,8 +819,8 @@ def create_slot(flags, schema, models):
     return schema.shared_zeros((flags.unroll_length + 1, flags.batch_size)), state
 
 
-def act(flags, schema, models, addresses, slots, free_reader, full_writer, error_writer,
-        error_count, stopping, parent, device):
+def run_acting_process(flags, schema, models, addresses, slots, free_reader, full_writer,
+                       error_writer, error_count, stopping, parent, device):
     """The acting process's main thread: starts the actor pool, inference (on device, the
     learner's) and the thread that fills the slots, then watches them until the learner asks
     it to stop, the learner is gone, or one of them fails (its message goes to the learner)."""

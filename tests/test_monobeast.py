@@ -4,7 +4,6 @@ Most tests run `python -m monobeast` in a subprocess with tiny flags, as a
 user would.
 """
 
-import argparse
 import contextlib
 import csv
 import json
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import flag_helpers
 import monobeast
 import process_helpers
 from beast import envs, flags as beast_flags
@@ -49,6 +49,7 @@ def read_logs(run_dir):
 @pytest.mark.parametrize("precision", [[], ["--precision", "bf16"],
                                        ["--acting_precision", "bf16"]],
                          ids=["fp32", "bf16", "acting-bf16"])
+@pytest.mark.slow
 def test_learns_cartpole(tmp_path, precision):
     """The default vector-task settings, schedule included (1M steps, about 10 s on two
     idle cores), reach a mean return of 400 over 100 episodes, also with the learner's
@@ -131,6 +132,7 @@ def test_lstm_state_before_step_zero_is_stored():
     torch.testing.assert_close(out["baseline"], batch["baseline"])
 
 
+@pytest.mark.slow
 def test_pong_smoke_logs_episode_returns(tmp_path):
     """A short Pong run: trains, finishes games (real returns in [-21, 21]),
     writes logs.csv and a checkpoint."""
@@ -153,6 +155,7 @@ def test_pong_smoke_logs_episode_returns(tmp_path):
     assert (machine["gpu"] is None) == (not torch.cuda.is_available())
 
 
+@pytest.mark.slow
 def test_resume_continues_counters_and_schedule(tmp_path):
     run_monobeast(tmp_path, "--xpid", "r", "--total_steps", 20_000,
                   "--log_interval_steps", 5_000)
@@ -164,8 +167,12 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     second = ckpt.load_checkpoint(str(tmp_path / "r" / "model.tar"))
     assert second["step"] >= 40_000
     second_step = second["step"]
+    # The schedule is a function of the step counter (learner.lr_factor): the resumed start's
+    # scheduler counts its own updates, from the checkpoint's step on.
+    steps_per_update = (beast_flags.ENV_DEFAULTS["vector"]["unroll_length"]
+                        * beast_flags.ENV_DEFAULTS["vector"]["batch_size"])
     assert (second["scheduler_state_dict"]["last_epoch"]
-            > first["scheduler_state_dict"]["last_epoch"])
+            == (second_step - first["step"]) // steps_per_update)
     rows = read_logs(tmp_path / "r")
     steps = [int(r["step"]) for r in rows]
     assert steps == sorted(steps) and steps[-1] >= 40_000
@@ -226,6 +233,7 @@ def actor_pids(pid):
         return [int(child) for child in f.read().split()]
 
 
+@pytest.mark.slow
 def test_a_killed_learner_leaves_no_actor_running(tmp_path):
     """SIGKILL gives the learner no chance to tell its actors to stop: they notice that it is
     gone within a second or two and exit, rather than wait on their queue for ever."""
@@ -242,6 +250,7 @@ def test_a_killed_learner_leaves_no_actor_running(tmp_path):
         assert not left, "actors still running after their learner was killed"
 
 
+@pytest.mark.slow
 def test_actors_leave_sigterm_to_the_learner(tmp_path):
     """timeout(1) and Slurm send SIGTERM to the whole process group: the learner stops the
     actors. An actor given SIGTERM, twice and 2.5 s apart (a second signal that late is a
@@ -284,6 +293,7 @@ def test_join_actors_kills_an_actor_stuck_on_a_dead_actors_lock():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_signal_stops_cleanly_and_checkpoints(tmp_path, sig):
     with monobeast_running(tmp_path, "--xpid", "s", "--total_steps", 100_000_000,
                            "--log_interval_steps", 2000) as proc:
@@ -303,6 +313,7 @@ def lasting_names(run_dir):
     return sorted(name for name in os.listdir(run_dir) if not name.endswith(".tmp"))
 
 
+@pytest.mark.slow
 def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
     """One run directory, one training: a second learner on the same --xpid stops with one
     message naming the first, writes nothing, and the first run's resume works after it."""
@@ -329,6 +340,7 @@ def test_second_learner_on_a_running_xpid_is_refused(tmp_path):
     assert "Resuming" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
     """A disk that fills up while training: the run goes on, the last checkpoint stays
     whole, the rows logged meanwhile are written once there is space. Full again at the
@@ -364,6 +376,7 @@ def test_full_disk_neither_ends_the_run_nor_loses_rows(small_disk):
     assert f"from step {saved}" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_actor_is_started_again(tmp_path):
     """An actor process killed by a signal (the OOM killer, a crash in C code) does not end
     the run: the actors start again and training goes on to a clean stop."""
@@ -411,6 +424,7 @@ def ride_out_one_fault(tmp_path, env_id, *flags):
     return stderr
 
 
+@pytest.mark.slow
 def test_an_actor_killed_while_handing_on_a_rollout_is_started_again(tmp_path):
     """An actor killed between taking the lock of the queue of filled rollouts and letting go
     of it keeps that lock for ever: the restart must not need it."""
@@ -418,6 +432,7 @@ def test_an_actor_killed_while_handing_on_a_rollout_is_started_again(tmp_path):
     assert "was killed by signal 9 (SIGKILL)" in stderr
 
 
+@pytest.mark.slow
 def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
     """Actors that die within restarts.QUICK_EXIT_S of their first start never came up: one
     message.
@@ -446,6 +461,7 @@ def test_actors_that_keep_dying_end_the_run_with_one_message(tmp_path):
     assert ckpt.load_checkpoint(str(tmp_path / "late" / "model.tar"))["step"] > 0
 
 
+@pytest.mark.slow
 def test_a_hung_actor_is_killed_and_started_again(tmp_path):
     """An environment that stops answering (here: one step sleeps for an hour) holds its
     actor; after --actor_timeout_s the actor is killed and the actors start again."""
@@ -454,6 +470,7 @@ def test_a_hung_actor_is_killed_and_started_again(tmp_path):
     assert "without finishing a step (--actor_timeout_s), and was killed" in stderr
 
 
+@pytest.mark.slow
 def test_serial_mode(tmp_path):
     """Also the policy lag, which serial mode knows exactly: each unroll is acted with the
     newest weights, except its step 0, which is the previous unroll's last step, acted before
@@ -468,6 +485,7 @@ def test_serial_mode(tmp_path):
 
 
 @pytest.mark.parametrize("num_actors", [0, 2], ids=["serial", "actors"])
+@pytest.mark.slow
 def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path, num_actors):
     """Rewards turn huge after a while (1e30: finite, so the actors take them, but their
     squared error in the loss is not): each update is skipped and counted, the run stops
@@ -488,6 +506,7 @@ def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path, num_act
     assert any(float(r["skipped_updates"]) > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_environment_errors_are_counted_not_fatal(tmp_path):
     # Few environments, so that each lives past its 500th step.
     run_monobeast(tmp_path, "--env", "tests.flaky_env:FlakyCartPole-v0", "--xpid", "flaky",
@@ -497,6 +516,7 @@ def test_environment_errors_are_counted_not_fatal(tmp_path):
     assert float(rows[-1]["env_errors"]) > 0
 
 
+@pytest.mark.slow
 def test_offline_evaluation_is_logged(tmp_path):
     run_monobeast(tmp_path, "--xpid", "ev", "--total_steps", 12_000, "--log_interval_steps",
                   4000, "--eval_interval_steps", 5000, "--eval_episodes", 2)
@@ -508,10 +528,12 @@ def test_offline_evaluation_is_logged(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--env", "NoSuchGame-v9"], "ale-py"),
-    (["--batch_size", 64, "--num_buffers", 8], "--num_buffers"),
+    pytest.param(["--env", "NoSuchGame-v9"], "ale-py", marks=pytest.mark.slow),
+    pytest.param(["--batch_size", 64, "--num_buffers", 8], "--num_buffers",
+                 marks=pytest.mark.slow),
     (["--unroll_length", 0], "--unroll_length"),
-    (["--mode", "test", "--xpid", "never-trained"], "No checkpoint"),
+    pytest.param(["--mode", "test", "--xpid", "never-trained"], "No checkpoint",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_input_gives_one_clear_message(tmp_path, args, message):
     result = run_monobeast(tmp_path, *args, check=False, timeout=120)
@@ -543,7 +565,7 @@ def test_unwritable_savedir(tmp_path):
 
 
 def test_old_atari_ids_are_accepted():
-    flags = argparse.Namespace(env="PongNoFrameskip-v4", episodic_life=False)
+    flags = flag_helpers.make_flags(env="PongNoFrameskip-v4", episodic_life=False)
     info = envs.env_info(flags)
     assert info["kind"] == "atari" and tuple(info["observation_shape"]) == (4, 84, 84)
     assert np.dtype(info["observation_dtype"]) == np.uint8
@@ -571,6 +593,7 @@ def test_env_defaults_by_observation_kind():
                                  1.0, 50_000_000)
 
 
+@pytest.mark.slow
 def test_minatar_trains_with_the_small_net(tmp_path):
     """--model small on MinAtar: trains, and the checkpoint holds the one-conv net."""
     pytest.importorskip("minatar", reason="MinAtar is optional: pip install minatar")

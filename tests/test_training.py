@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import flag_helpers
 from beast import checkpoint as ckpt
 from beast import evaluation, learner, models, system, training
 
@@ -109,8 +110,8 @@ def test_policy_lag_counts_updates_between_acting_and_learning():
 def test_the_acting_model_learns_the_step_of_its_weights():
     """Learner.update publishes the weights and then their step; a model that no learner
     writes to reads as step 0."""
-    flags = argparse.Namespace(unroll_length=2, batch_size=1, total_steps=100,
-                               **TINY_LEARNER_FLAGS)
+    flags = flag_helpers.make_flags(unroll_length=2, batch_size=1, total_steps=100,
+                                    **TINY_LEARNER_FLAGS)
     model, acting = (models.create_model(flags, (4,), 2) for _ in range(2))
     assert training.weights_step(acting) == 0
     learner_ = learner.Learner(flags, model, acting)
@@ -180,7 +181,7 @@ def test_each_thread_keeps_the_intra_op_threads_it_set(keep_process_state):
 def test_evaluation_acts_greedily_unless_asked_to_sample():
     for policy, sampled in (("greedy", False), ("sample", True)):
         model = RecordsMode()
-        flags = argparse.Namespace(env="CartPole-v1", eval_policy=policy)
+        flags = flag_helpers.make_flags(env="CartPole-v1", eval_policy=policy)
         returns = evaluation.play_episodes(flags, model, num_episodes=2, seed=0)
         assert len(returns) == 2 and set(model.modes) == {sampled}
 
@@ -188,7 +189,7 @@ def test_evaluation_acts_greedily_unless_asked_to_sample():
 def test_greedy_evaluation_is_deterministic():
     """Same weights, same seed: the same returns, since no action is sampled."""
     model = RecordsMode()
-    flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy")
+    flags = flag_helpers.make_flags(env="CartPole-v1", eval_policy="greedy")
     torch.manual_seed(1)
     first = evaluation.play_episodes(flags, model, num_episodes=3, seed=5)
     torch.manual_seed(2)
@@ -198,7 +199,7 @@ def test_greedy_evaluation_is_deterministic():
 def test_a_game_longer_than_eval_max_steps_is_stopped_and_counts_its_return_so_far(capsys):
     """CartPole pays 1 a step and no game ends within 3 steps (the pole starts near upright):
     each game is stopped at the third step with 3.0, and the next starts afresh."""
-    flags = argparse.Namespace(env="CartPole-v1", eval_policy="greedy", eval_max_steps=3)
+    flags = flag_helpers.make_flags(env="CartPole-v1", eval_policy="greedy", eval_max_steps=3)
     assert evaluation.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0) == [3.0] * 3
     assert capsys.readouterr().err.count("stopped at --eval_max_steps 3,") == 3
     flags.eval_max_steps = 0  # no limit: whole games
@@ -218,6 +219,7 @@ def value_of(model, observation):
 @pytest.mark.parametrize("variant, envs_per_stream", [
     ("monobeast", None), ("polybeast", "4"), ("polybeast", "1")],
     ids=["monobeast", "polybeast-batched", "polybeast-single"])
+@pytest.mark.slow
 def test_time_limits_bootstrap(tmp_path, variant, envs_per_stream):
     """Reward 1 forever, episodes cut at 20 steps: with discount 0.9 the value of every step
     is the infinite sum 1 / (1 - 0.9) = 10. Treating the cut as the episode's end would
@@ -282,6 +284,7 @@ print(*faults)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.slow
 def test_freed_memory_is_reused_not_faulted_in_again():
     """Without reuse_freed_memory every step faults its 192 MB in anew (about 49,000 pages of
     4 KiB, fewer where transparent huge pages back them); with it, once the heap has
@@ -296,3 +299,18 @@ def test_freed_memory_is_reused_not_faulted_in_again():
     step = sorted(faults["default"])[len(faults["default"]) // 2]  # what one step faults in
     quiet = {mode: sum(f * 20 < step for f in faults[mode]) for mode in faults}
     assert quiet["default"] == 0 and quiet["reuse"] >= 4, faults
+
+
+@pytest.mark.parametrize("variant", ["monobeast", "polybeast"])
+@pytest.mark.slow
+def test_a_refused_run_writes_nothing(tmp_path, variant):
+    """A model that cannot take the environment's observations is refused before the run
+    directory exists: no flags.json, lock or empty tensorboard/ that --mode test or a
+    resume would take for a run."""
+    command = [sys.executable, "-m", variant, "--env", "CartPole-v1", "--model", "atari",
+               "--savedir", str(tmp_path / "runs"), "--xpid", "refused"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--model atari needs image observations" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "refused").exists()
