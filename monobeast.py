@@ -236,8 +236,6 @@ def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
 
 
 
-
-
 # ----------------------------------------------------------------------------
 # What MonoBeast plugs into the run skeleton of beast/training.py.
 

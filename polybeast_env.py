@@ -353,7 +353,7 @@ def main(argv=None):
     flags = parser.parse_args(argv)
     problems = flag_problems(flags, parser)
     if problems:
-        sys.exit(f"polybeast_env: {beast_flags.FlagError(problems)}")
+        refuse(beast_flags.FlagError(problems))
     addresses = server_addresses(flags)
     problem = next(filter(None, map(listen_problem, addresses)), None)
     if problem is not None:

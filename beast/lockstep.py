@@ -69,6 +69,8 @@ class Lockstep:
         self.filled = ctx.RawArray("q", flags.num_actors)
         self.restarts = ctx.RawArray("q", flags.num_buffers)
         self.closed = ctx.RawValue("b", 0)
+        # An actor's UserError (a NaN reward, say), for the learner to end the run with.
+        self.problems = ctx.SimpleQueue()
 
     def weights_for_round(self, k):
         """V(k): the version of the weights that round k is acted with."""
@@ -169,16 +171,17 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
     torch.manual_seed(flags.seed * 7919 + actor_index)
     # Its own copy (version 0 now): the learner writes the next version while this one acts.
     model = copy.deepcopy(shared_model)
-    # Restarts are counted per actor (error_count None), so their seeds follow the schedule.
-    sampler = sampler_class(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
-                            seed=flags.seed * 100 + actor_index,
-                            name=f"actor {actor_index}")
     learner_pid = os.getppid()
 
     def orphaned():  # the learner's process is gone (killed before it could close)
         return os.getppid() != learner_pid
 
+    sampler = None
     try:
+        # Restarts are counted per actor (error_count None): their seeds follow the schedule.
+        sampler = sampler_class(flags, model, schema, buffers, state_buffers,
+                                flags.envs_per_actor, seed=flags.seed * 100 + actor_index,
+                                name=f"actor {actor_index}")
         for k in itertools.count():
             version = lockstep.weights_for_round(k)
             if not lockstep.wait(actor_index, lambda: lockstep.version.value >= version,
@@ -194,8 +197,11 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
                 lockstep.restarts[m] = sampler.envs.restarts
             if not lockstep.advance(lockstep.filled, actor_index, k + 1, orphaned):
                 return
+    except training.UserError as e:  # the learner gives the message (learn_in_lockstep)
+        lockstep.problems.put(str(e))
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
 
 
 def train(run, model, buffers, state_buffers, sampler_class):
@@ -238,6 +244,8 @@ def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
     env_restarts = [0] * flags.num_actors  # each actor's, as of the last rollout learned
 
     def give_up():
+        if not lockstep.problems.empty():
+            raise training.UserError(lockstep.problems.get())
         try:
             restarts.check_actors(actors)
         except restarts.ActorDied as died:

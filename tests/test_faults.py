@@ -47,10 +47,12 @@ def one_message(stderr):
 # ---------------------------------------------------------------------------------------------
 # A reward that is not finite: refused where it enters, naming the environment and the field.
 
-@pytest.mark.parametrize("num_actors, reward", [(0, "NaN"), (2, "NaN"), (2, "Infinite")],
-                         ids=["serial-nan", "actors-nan", "actors-inf"])
+@pytest.mark.parametrize("num_actors, reward, extra",
+                         [(0, "NaN", ()), (2, "NaN", ()), (2, "Infinite", ()),
+                          (2, "NaN", ("--deterministic",))],
+                         ids=["serial-nan", "actors-nan", "actors-inf", "deterministic-nan"])
 @pytest.mark.slow
-def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, reward):
+def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, reward, extra):
     """The model takes the reward: a NaN made NaN logits, and torch.multinomial's traceback
     ended the run. Now the actor (or, serial, the learner) that stepped the environment
     names it, its index and the field; the rows logged and the checkpoint stay."""
@@ -58,7 +60,7 @@ def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, rew
     result = run(tmp_path, *learner(
         "monobeast", tmp_path, "--env", env, "--num_actors", num_actors, "--envs_per_actor", 4,
         "--batch_size", 4, "--unroll_length", 20, "--total_steps", 400_000,
-        "--log_interval_steps", 400))
+        "--log_interval_steps", 400, *extra))
     assert result.returncode == 2, result.stderr[-3000:]
     message = one_message(result.stderr)
     value = "nan" if reward == "NaN" else "inf"
