@@ -8,7 +8,8 @@ this machine only), or with --address HOST:PORT at HOST:PORT+i over TCP. The lea
 same messages without gRPC (csrc/raw_socket.h), as the servers a learner starts itself do. Data
 path of one server:
 
-    actor thread --gRPC (or raw) stream--> libpolybeast.EnvServer --> RolloutAdapter(create_env(flags), seed)
+    actor thread --gRPC (or raw) stream--> libpolybeast.EnvServer
+        --> RolloutAdapter(create_env(flags), seed)
                                                         or  VectorEnv of envs_per_stream envs
 
 A stream carries --envs_per_stream environments if given, else as many as the learner asks for when

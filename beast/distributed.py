@@ -240,7 +240,8 @@ def interface_towards(address, port):
         for _, name in socket.if_nameindex():
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 try:  # SIOCGIFADDR: the interface's IPv4 address
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                    request = struct.pack("256s", name[:15].encode())
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, request)
                 except OSError:
                     continue  # no IPv4 address on it
             if socket.inet_ntoa(packed[20:24]) == local_ip:

@@ -53,7 +53,8 @@ gymnasium.register_envs(ale_py)
 # refuses to start while this list is not empty.
 WRAPPERS = ()
 
-# ALE's cap on an episode: 108000 frames (30 minutes of play), i.e. 27000 agent steps at frame skip 4.
+# ALE's cap on an episode: 108000 frames (30 minutes of play), i.e. 27000 agent steps at frame
+# skip 4.
 MAX_FRAMES_PER_EPISODE = 108_000
 
 MINATAR_IDS = tuple(
@@ -84,11 +85,13 @@ class AreaResize:
 
     @staticmethod
     def _taps(n_in, n_out):
-        """Returns index and weight, both [taps, n_out]: out[o] = sum_k weight[k, o] * in[index[k, o]]."""
+        """Returns index and weight, both [taps, n_out]:
+        out[o] = sum_k weight[k, o] * in[index[k, o]]."""
         scale = n_in / n_out
         edges = np.arange(n_out + 1) * scale
         pixel = np.arange(n_in)[None, :]
-        # Overlap of output cell [edges[o], edges[o+1]) with input pixel [p, p+1), divided by the cell size.
+        # Overlap of output cell [edges[o], edges[o+1]) with input pixel [p, p+1), divided by the
+        # cell size.
         overlap = np.minimum(edges[1:, None], pixel + 1) - np.maximum(edges[:-1, None], pixel)
         weight = np.clip(overlap, 0.0, None) / scale
         num_taps = int((weight > 0).sum(axis=1).max())
@@ -146,15 +149,17 @@ class AtariPreprocessing(gymnasium.Wrapper):
         super().__init__(env)
         atari = env.unwrapped
         if not isinstance(atari, ale_py.AtariEnv):
-            raise TypeError(f"AtariPreprocessing needs an ale_py.AtariEnv, got {type(atari).__name__}")
+            raise TypeError(f"AtariPreprocessing needs an ale_py.AtariEnv, "
+                            f"got {type(atari).__name__}")
         if env is not atari:
             # step() drives ALE itself, so a wrapper in between would silently never run.
             raise TypeError(
-                f"AtariPreprocessing drives the emulator directly, so {type(env).__name__} between it "
-                "and the AtariEnv would never run; wrap the preprocessed env instead (beast/envs.py "
-                "WRAPPERS)")
+                f"AtariPreprocessing drives the emulator directly, so {type(env).__name__} between "
+                "it and the AtariEnv would never run; wrap the preprocessed env instead "
+                "(beast/envs.py WRAPPERS)")
         if getattr(atari, "_frameskip", 1) != 1:
-            raise ValueError("AtariPreprocessing does the frame skipping: make the AtariEnv with frameskip=1")
+            raise ValueError("AtariPreprocessing does the frame skipping: make the AtariEnv with "
+                             "frameskip=1")
         if frame_skip < 2:
             raise ValueError("frame_skip must be >= 2: the last two frames are max-pooled")
         self.ale = atari.ale
@@ -170,7 +175,8 @@ class AtariPreprocessing(gymnasium.Wrapper):
         self._fire = ale_py.Action.FIRE if (fire_reset and "FIRE" in meanings) else None
 
         height, width = self.ale.getScreenDims()
-        self._screens = np.zeros((2, height, width), dtype=np.uint8)  # the last two frames of a step
+        # The last two frames of a step.
+        self._screens = np.zeros((2, height, width), dtype=np.uint8)
         self._max_screen = np.zeros((height, width), dtype=np.uint8)
         self._resize = AreaResize((height, width), (screen_size, screen_size))
         self._stack = np.zeros((frame_stack, screen_size, screen_size), dtype=np.uint8)
@@ -184,7 +190,8 @@ class AtariPreprocessing(gymnasium.Wrapper):
         self.metadata = {**env.metadata, "render_fps": 60 / frame_skip}
 
     def _repeat(self, ale_action):
-        """Plays ale_action for frame_skip frames, grabbing the last two screens. Returns the reward sum."""
+        """Plays ale_action for frame_skip frames, grabbing the last two screens. Returns the
+        reward sum."""
         ale = self.ale
         first_grab = self.frame_skip - 2
         reward = 0.0
@@ -249,7 +256,8 @@ class AtariPreprocessing(gymnasium.Wrapper):
         return obs, {"lives": self._lives, "game_over": False}
 
     def step(self, action):
-        """Returns (observation, reward, terminated, truncated, info) for one agent step (frame_skip frames)."""
+        """Returns (observation, reward, terminated, truncated, info) for one agent step
+        (frame_skip frames)."""
         reward = self._repeat(self._ale_actions[action])
         obs = self._push_frame()
         ale = self.ale
@@ -300,7 +308,8 @@ def _make_atari(env_id, flags, render_mode=None):
 
 
 class NullEnv(gymnasium.Env):
-    """Constant zero observations, 2 actions, reward 0, episodes of exactly `episode_length` steps."""
+    """Constant zero observations, 2 actions, reward 0, episodes of exactly `episode_length`
+    steps."""
 
     def __init__(self, observation_shape=(4,), dtype=np.float32, episode_length=100):
         high = 255 if np.dtype(dtype) == np.uint8 else np.inf
@@ -349,8 +358,8 @@ class LegacyGymAPI(gymnasium.Env):
 
     Old API: reset() -> obs, seed(seed), step(a) -> (obs, reward, done, info).
     New API: reset(seed=None) -> (obs, info), step(a) -> (obs, reward, terminated, truncated, info).
-    `done` becomes `truncated` when the old env's TimeLimit marked it in info["TimeLimit.truncated"],
-    else `terminated`. The old env need not subclass gymnasium.Env.
+    `done` becomes `truncated` when the old env's TimeLimit marked it in
+    info["TimeLimit.truncated"], else `terminated`. The old env need not subclass gymnasium.Env.
     """
 
     def __init__(self, env):
@@ -381,7 +390,8 @@ def _is_legacy_reset(result):
 
 
 class Float32Observation(gymnasium.ObservationWrapper):
-    """Vector observations as float32; Discrete observations (an index) as a one-hot float32 vector."""
+    """Vector observations as float32; Discrete observations (an index) as a one-hot float32
+    vector."""
 
     def __init__(self, env):
         super().__init__(env)
@@ -392,8 +402,8 @@ class Float32Observation(gymnasium.ObservationWrapper):
             self.observation_space = spaces.Box(0.0, 1.0, (space.n,), dtype=np.float32)
         else:
             self.observation_space = spaces.Box(
-                space.low.astype(np.float32), space.high.astype(np.float32), space.shape, dtype=np.float32
-            )
+                space.low.astype(np.float32), space.high.astype(np.float32), space.shape,
+                dtype=np.float32)
 
     def observation(self, observation):
         if self._one_hot:
@@ -490,7 +500,8 @@ def _make_registered(env_id, render_mode=None):
     Old-API detection: one reset() of the unwrapped env at creation; if it returns the observation
     alone instead of an (observation, info) pair, the env is rebuilt as LegacyGymAPI + TimeLimit.
     gymnasium.make refuses an env class that does not subclass gymnasium.Env (TypeError); such
-    classes (old gym.Env subclasses) are instantiated from the registry entry and wrapped the same way.
+    classes (old gym.Env subclasses) are instantiated from the registry entry and wrapped the
+    same way.
     """
     spec = gymnasium.spec(env_id)
     try:
@@ -519,11 +530,13 @@ def _make_minatar(env_id, render_mode=None):
     try:
         import minatar.gym
     except ImportError as error:
-        raise ValueError(f"Environment {env_id!r} needs the MinAtar package: pip install minatar") from error
+        raise ValueError(f"Environment {env_id!r} needs the MinAtar package: "
+                         "pip install minatar") from error
     if env_id not in gymnasium.registry:
         minatar.gym.register_envs()
     if env_id not in gymnasium.registry:
-        raise ValueError(f"Unknown MinAtar id {env_id!r}; MinAtar ids are: {', '.join(MINATAR_IDS)}")
+        raise ValueError(f"Unknown MinAtar id {env_id!r}; MinAtar ids are: "
+                         f"{', '.join(MINATAR_IDS)}")
     return ChannelsFirst(gymnasium.make(env_id, disable_env_checker=True,
                                         **_render_kwargs(render_mode)))
 
@@ -536,7 +549,8 @@ def _import_envpool():
     try:
         import envpool
     except ImportError as error:
-        raise ValueError("--env_backend envpool needs the EnvPool package: pip install envpool") from error
+        raise ValueError("--env_backend envpool needs the EnvPool package: "
+                         "pip install envpool") from error
     return envpool
 
 
@@ -555,24 +569,29 @@ def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
     kwargs = _atari_spec_kwargs(flags.env)
     match = re.fullmatch(r"(?:ALE/)?([A-Za-z]+?)(?:NoFrameskip)?-v\d+", flags.env)
     if kwargs is None or match is None:
-        raise ValueError(f"--env_backend envpool supports Atari ids only (ALE/Pong-v5, PongNoFrameskip-v4), got {flags.env!r}")
+        raise ValueError("--env_backend envpool supports Atari ids only (ALE/Pong-v5, "
+                         f"PongNoFrameskip-v4), got {flags.env!r}")
     if WRAPPERS:
         names = ", ".join(getattr(w, "__name__", repr(w)) for w in WRAPPERS)
-        raise ValueError(f"--env_backend envpool steps its games in C++ and cannot apply the wrappers "
-                         f"in beast/envs.py WRAPPERS ({names}); use --env_backend gymnasium")
+        raise ValueError("--env_backend envpool steps its games in C++ and cannot apply the "
+                         f"wrappers in beast/envs.py WRAPPERS ({names}); use --env_backend "
+                         "gymnasium")
     return envpool.make(
-        f"{match.group(1)}-v5", env_type="gymnasium", num_envs=num_envs, batch_size=batch_size or num_envs,
+        f"{match.group(1)}-v5", env_type="gymnasium", num_envs=num_envs,
+        batch_size=batch_size or num_envs,
         num_threads=num_threads,
         seed=(flags.seed if seed is None else int(seed)) % 2**31,
         episodic_life=bool(flags.episodic_life),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
-        noop_max=30, use_fire_reset=True, repeat_action_probability=_sticky_action_probability(flags, kwargs),
+        noop_max=30, use_fire_reset=True,
+        repeat_action_probability=_sticky_action_probability(flags, kwargs),
         max_episode_steps=MAX_FRAMES_PER_EPISODE // 4,
     )
 
 
 class EnvPoolSingle(gymnasium.Env):
-    """One EnvPool env (num_envs=1) as a plain Gymnasium env, so that RolloutAdapter can drive it."""
+    """One EnvPool env (num_envs=1) as a plain Gymnasium env, so that RolloutAdapter can drive
+    it."""
 
     def __init__(self, pool):
         self.pool = pool
@@ -597,7 +616,8 @@ class EnvPoolSingle(gymnasium.Env):
         terminated, truncated = bool(terminated[0]), bool(truncated[0])
         game_over = bool(info["terminated"][0]) or truncated
         self._episode_ended = terminated or truncated
-        return obs[0], float(reward[0]), terminated, truncated, {"lives": int(info["lives"][0]), "game_over": game_over}
+        info = {"lives": int(info["lives"][0]), "game_over": game_over}
+        return obs[0], float(reward[0]), terminated, truncated, info
 
     def close(self):
         self.pool.close()
@@ -658,14 +678,16 @@ def _make_env(flags, render_mode=None):
     if env_id.startswith("MinAtar/"):
         return _make_minatar(env_id, render_mode)
     if ":" in env_id:
-        # Gymnasium's convention: "package.module:EnvId" imports the module, which registers its ids.
+        # Gymnasium's convention: "package.module:EnvId" imports the module, which registers its
+        # ids.
         module, env_id = env_id.split(":", 1)
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as error:
             if error.name is None or not (module + ".").startswith(error.name + "."):
                 _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
-            raise ValueError(f"Cannot import {module!r} for environment {env_id!r}: {error}") from error
+            raise ValueError(f"Cannot import {module!r} for environment {env_id!r}: "
+                             f"{error}") from error
         except Exception as error:  # a syntax error, or anything its code raised
             _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
     if env_id in ("Null-v0", "NullAtari-v0"):
@@ -787,7 +809,8 @@ class BoxActions:
 
 
 class RolloutAdapter:
-    """Steps a Gymnasium env and returns each step in the rollout format (numpy values, no batch dims).
+    """Steps a Gymnasium env and returns each step in the rollout format (numpy values, no
+    batch dims).
 
     initial() / step(action) return a dict with one entry per env field of beast/rollout.py:
       frame          observation, as the env returns it (uint8 [4, 84, 84] for Atari,
@@ -836,7 +859,8 @@ class RolloutAdapter:
             self.num_actions if self.box else None) + self.extra_fields
         if seed is not None:
             gym_env.action_space.seed(seed)
-        self._seed_pending = True  # the seed goes to the first reset only; later resets continue its RNG
+        # The seed goes to the first reset only; later resets continue its RNG.
+        self._seed_pending = True
         self._reset_pending = False
         self._episode_return = 0.0
         self._episode_step = 0

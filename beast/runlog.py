@@ -356,7 +356,8 @@ class StatsLogger:
         row["_time"] = time.time()
         row["step"] = step
         if self._fieldnames is None:
-            self._fieldnames = ["_time", "step", *sorted(k for k in row if k not in ("_time", "step"))]
+            others = sorted(k for k in row if k not in ("_time", "step"))
+            self._fieldnames = ["_time", "step", *others]
         else:
             self._fieldnames += sorted(k for k in row if k not in self._fieldnames)
         self._pending.append(row)
@@ -650,7 +651,8 @@ class StatusLine:
         clock: time source in seconds (replaceable in tests).
     """
 
-    def __init__(self, total_steps, stream=None, interval=30.0, tty_interval=0.2, clock=time.monotonic):
+    def __init__(self, total_steps, stream=None, interval=30.0, tty_interval=0.2,
+                 clock=time.monotonic):
         self.total_steps = total_steps
         self.stream = sys.stderr if stream is None else stream
         isatty = getattr(self.stream, "isatty", None)

@@ -38,7 +38,8 @@ def install_signal_handlers():
 
 
 def leave_stop_signals_to_the_learner():
-    """In a child of the learner (MonoBeast's actors, PolyBeast's acting process, forked or spawned):
+    """In a child of the learner (MonoBeast's actors, PolyBeast's acting process, forked or
+    spawned):
     Ctrl-C, and the SIGTERM that timeout(1) or Slurm send, go to the whole process group, and
     the learner checkpoints and then stops its children. Ignored rather than left to the
     handler above, which the fork copied: that one swallowed Process.terminate() and turned a

@@ -98,7 +98,8 @@ class GymnasiumVectorEnv:
         self.outputs = _empty_outputs(num_envs, self.fields)
 
     def _make_env(self, j, restart):
-        return envs.RolloutAdapter(envs.create_env(self.flags), seed=env_seed(self.seed, j, restart))
+        return envs.RolloutAdapter(envs.create_env(self.flags),
+                                   seed=env_seed(self.seed, j, restart))
 
     def _store(self, rows):
         """rows[j] (a dict of env j's values) into the output arrays, field by field: one

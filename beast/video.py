@@ -289,7 +289,8 @@ def main(argv=None):
                                      description="Make a looping GIF of a recorded game.")
     sub = parser.add_subparsers(dest="command", required=True)
     gif = sub.add_parser("gif", help="MP4 -> GIF")
-    gif.add_argument("mp4", help="A video written by --record_video or --eval_video_interval_steps.")
+    gif.add_argument("mp4",
+                     help="A video written by --record_video or --eval_video_interval_steps.")
     gif.add_argument("gif", help="The GIF to write.")
     gif.add_argument("--every", type=int, default=2, help="Keep every N-th frame.")
     gif.add_argument("--scale", type=float, default=0.5, help="Scale each frame by this.")
