@@ -106,8 +106,8 @@ class ActorPool {
   ActorPool(int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
             std::shared_ptr<DynamicBatcher> inference_batcher,
             std::vector<std::string> env_server_addresses, Nest initial_agent_state,
-            std::vector<std::string> env_keys, double connect_timeout_s,
-            double stream_timeout_s, int64_t envs_per_stream = 0,
+            std::vector<std::string> env_keys, double connect_timeout_s, double stream_timeout_s,
+            int64_t envs_per_stream = 0,
             Array initial_last_action = filled_array<int64_t>(dtypes::kInt64, 0, {}),
             TlsConfig tls = {})
       : unroll_length_(unroll_length),
@@ -263,9 +263,7 @@ class ActorPool {
     }
   }
 
-  static double seconds(Clock::duration d) {
-    return std::chrono::duration<double>(d).count();
-  }
+  static double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
   static std::string seconds_str(double s) {
     std::ostringstream out;
@@ -338,11 +336,12 @@ class ActorPool {
                       const std::string& trouble) const {
     const Clock::time_point now = Clock::now();
     if (progress && early_streams > 0 && now - *progress > connect_timeout_) {
-      throw std::runtime_error(
-          "no complete rollout for " + seconds_str(seconds(now - *progress)) +
-          " (connect_timeout_s " + seconds_str(connect_timeout_.count()) + "): " +
-          std::to_string(early_streams) + " stream(s) ended before a rollout of unroll_length " +
-          std::to_string(unroll_length_) + " was complete; the last one: " + trouble);
+      throw std::runtime_error("no complete rollout for " + seconds_str(seconds(now - *progress)) +
+                               " (connect_timeout_s " + seconds_str(connect_timeout_.count()) +
+                               "): " + std::to_string(early_streams) +
+                               " stream(s) ended before a rollout of unroll_length " +
+                               std::to_string(unroll_length_) +
+                               " was complete; the last one: " + trouble);
     }
     if (now - last_contact > connect_timeout_) {
       std::ostringstream message;
@@ -475,7 +474,7 @@ class ActorPool {
       Array last_action = initial_last_action_;  // single-environment streams only
       int64_t env_errors_seen = 0;  // this stream's Step.env_errors at the previous step
       std::vector<Nest> rollout;  // rollout[0] is the last step of the previous rollout
-      Nest rollout_state;         // the agent state before rollout[0]
+      Nest rollout_state;  // the agent state before rollout[0]
       while (true) {
         // A new stream starts from 0, so its first value counts too.
         if (step.env_errors() > env_errors_seen) {
@@ -491,9 +490,10 @@ class ActorPool {
           num_envs = n;
           agent_state = repeated(initial_agent_state_, num_envs);
         } else if (n != num_envs) {
-          throw std::runtime_error("the env server changed the number of environments on a "
-                                   "stream from " + std::to_string(num_envs) + " to " +
-                                   std::to_string(n));
+          throw std::runtime_error(
+              "the env server changed the number of environments on a "
+              "stream from " +
+              std::to_string(num_envs) + " to " + std::to_string(n));
         }
         Nest answer = inference_batcher_->compute(Nest::tuple({env_outputs, agent_state}));
         const Nest* agent_outputs = check_answer(answer);
@@ -700,7 +700,8 @@ class ActorPool {
     std::string sent;
     for (const auto& [key, value] : env_outputs.fields) sent += (sent.empty() ? "" : ", ") + key;
     throw std::invalid_argument("the env server sent a step without the env key(s) " + missing +
-                                " (it sent: " + sent + "); the environment side must return "
+                                " (it sent: " + sent +
+                                "); the environment side must return "
                                 "every one of env_keys");
   }
 
@@ -751,7 +752,8 @@ class ActorPool {
       for (auto& [key, value] : *extras->mutable_map()) {
         const std::string where = "Step.extras entry '" + key + "'";
         if (f.count(key)) {
-          throw std::invalid_argument(where + " clashes with the step field of that name (a "
+          throw std::invalid_argument(where +
+                                      " clashes with the step field of that name (a "
                                       "fixed Step field or an observation entry)");
         }
         f[key] = leading_ones(nest_from_proto(&value, "extras['" + key + "']"), where);

@@ -94,8 +94,8 @@ class ItemQueue {
         return closed_ || static_cast<int64_t>(items_.size()) >= options_.minimum_batch_size;
       };
       if (options_.timeout_ms) {
-        auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(*options_.timeout_ms);
+        auto deadline =
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(*options_.timeout_ms);
         while (!enough()) {
           if (not_empty_.wait_until(lock, deadline) == std::cv_status::timeout) break;
         }
@@ -141,7 +141,7 @@ class ItemQueue {
  private:
   BatchingOptions options_;  // constant after construction
   mutable std::mutex mu_;
-  std::condition_variable not_full_;   // waited on by push
+  std::condition_variable not_full_;  // waited on by push
   std::condition_variable not_empty_;  // waited on by pop_batch
   std::deque<T> items_;  // GUARDED_BY(mu_)
   bool closed_ = false;  // GUARDED_BY(mu_)

@@ -74,8 +74,8 @@ class DynamicBatcher {
       try {
         parts = split(outputs, sizes, batch_dim_);
       } catch (const std::invalid_argument& e) {
-        fail_all(std::make_exception_ptr(
-            std::runtime_error(std::string("DynamicBatcher: bad outputs from inference: ") + e.what())));
+        fail_all(std::make_exception_ptr(std::runtime_error(
+            std::string("DynamicBatcher: bad outputs from inference: ") + e.what())));
         if (check_outputs_) throw;
         return;
       }

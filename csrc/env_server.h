@@ -94,8 +94,10 @@ class EnvServer {
  public:
   EnvServer(py::object env_factory, std::string address, double keepalive_s = 10.0,
             TlsConfig tls = {})
-      : env_factory_(std::move(env_factory)), address_(std::move(address)),
-        keepalive_ms_(static_cast<int>(keepalive_s * 1000)), tls_(std::move(tls)) {
+      : env_factory_(std::move(env_factory)),
+        address_(std::move(address)),
+        keepalive_ms_(static_cast<int>(keepalive_s * 1000)),
+        tls_(std::move(tls)) {
     if (!(keepalive_s >= 0.001 && keepalive_s <= 86400)) {
       throw std::invalid_argument("keepalive_s must be between 0.001 and 86400");
     }
@@ -300,9 +302,8 @@ class EnvServer {
         // int for the adapter) and nest_action (for TorchBeast's servers); a
         // float action (a Box action space, [A]) as nest_action only.
         bool use_nest = action->has_nest_action() && (batched_ || !action->has_action());
-        py::object a = use_nest
-                           ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
-                           : py::int_(action->action());
+        py::object a = use_nest ? nest_to_python(nest_from_proto(action->mutable_nest_action()))
+                                : py::int_(action->action());
         fill(env_.attr("step")(a), step);
       } catch (const std::exception& e) {  // py::error_already_set included
         server_->log(std::string("the environment failed in step(), restarting it: ") + e.what());
@@ -318,8 +319,7 @@ class EnvServer {
 
    private:
     py::object new_env() {  // GIL held
-      return envs_per_stream_ ? server_->env_factory_(*envs_per_stream_)
-                              : server_->env_factory_();
+      return envs_per_stream_ ? server_->env_factory_(*envs_per_stream_) : server_->env_factory_();
     }
 
     void close_env() {  // GIL held
@@ -379,8 +379,8 @@ class EnvServer {
       step->set_episode_return(py::cast<float>(get("episode_return")));
       step->set_episode_step(py::cast<int32_t>(get("episode_step")));
       static const std::vector<std::string> not_extras = {
-          "frame",        "reward",       "done",       "game_over",
-          "truncated",    "episode_return", "episode_step", "last_action"};
+          "frame",     "reward",         "done",         "game_over",
+          "truncated", "episode_return", "episode_step", "last_action"};
       for (auto [key, value] : d) {
         if (!py::isinstance<py::str>(key)) {
           throw std::invalid_argument("the adapter's step dict has a key that is not a str");
@@ -398,8 +398,10 @@ class EnvServer {
           continue;
         }
         if (array_observation) {
-          throw std::invalid_argument("the adapter's step dict has both 'frame' and the "
-                                      "observation entry '" + name + "'; send one or the other");
+          throw std::invalid_argument(
+              "the adapter's step dict has both 'frame' and the "
+              "observation entry '" +
+              name + "'; send one or the other");
         }
         auto& entries = *step->mutable_observation()->mutable_map();
         nest_to_proto(extra, &entries[name.substr(kObservationPrefix.size())]);

@@ -46,8 +46,7 @@ class EnvConnection {
   virtual std::unique_ptr<EnvStream> open(int64_t envs_per_stream) = 0;
 
   // tls applies to gRPC addresses (raw: ones are local unix sockets).
-  static std::unique_ptr<EnvConnection> create(const std::string& address,
-                                               const TlsConfig& tls);
+  static std::unique_ptr<EnvConnection> create(const std::string& address, const TlsConfig& tls);
 };
 
 class GrpcEnvStream final : public EnvStream {
@@ -101,8 +100,8 @@ class GrpcEnvConnection final : public EnvConnection {
 class RawEnvStream final : public EnvStream {
  public:
   RawEnvStream(RawSocket socket, int64_t envs_per_stream) : socket_(std::move(socket)) {
-    hello_sent_ = socket_.send(RawSocket::kHello,
-                               envs_per_stream > 0 ? std::to_string(envs_per_stream) : "");
+    hello_sent_ =
+        socket_.send(RawSocket::kHello, envs_per_stream > 0 ? std::to_string(envs_per_stream) : "");
   }
   bool read(rpcenv::Step* step) override {
     RawSocket::Kind kind;
@@ -132,7 +131,7 @@ class RawEnvStream final : public EnvStream {
   RawSocket socket_;
   bool hello_sent_ = false;
   std::string server_error_;  // what the server said when it ended the stream
-  std::string in_, out_;      // reused, to spare an allocation per message
+  std::string in_, out_;  // reused, to spare an allocation per message
 };
 
 class RawEnvConnection final : public EnvConnection {
@@ -154,7 +153,7 @@ class RawEnvConnection final : public EnvConnection {
 };
 
 inline std::unique_ptr<EnvConnection> EnvConnection::create(const std::string& address,
-                                                           const TlsConfig& tls) {
+                                                            const TlsConfig& tls) {
   if (is_raw_address(address)) return std::make_unique<RawEnvConnection>(address);
   return std::make_unique<GrpcEnvConnection>(address, tls);
 }

@@ -78,8 +78,7 @@ PYBIND11_MODULE(libpolybeast, m) {
       "scalars become 0-d arrays). Nests are copied on the way in; arrays coming out\n"
       "are numpy arrays that own their C++ buffer.";
 
-  py::register_exception<beast::ClosedBatchingQueue>(m, "ClosedBatchingQueue",
-                                                     PyExc_RuntimeError);
+  py::register_exception<beast::ClosedBatchingQueue>(m, "ClosedBatchingQueue", PyExc_RuntimeError);
   py::register_exception<beast::BadStep>(m, "BadStep", PyExc_RuntimeError);
 
   py::class_<BatchingQueue, std::shared_ptr<BatchingQueue>>(
@@ -89,9 +88,9 @@ PYBIND11_MODULE(libpolybeast, m) {
       "nests wait (or, after timeout_ms, at least one) and yields up to\n"
       "maximum_batch_size of them; it stops once the queue is closed. Nests still\n"
       "queued at close() are dropped.")
-      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size,
-                       int64_t maximum_batch_size, std::optional<int64_t> timeout_ms,
-                       bool check_inputs, std::optional<int64_t> maximum_queue_size) {
+      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size, int64_t maximum_batch_size,
+                       std::optional<int64_t> timeout_ms, bool check_inputs,
+                       std::optional<int64_t> maximum_queue_size) {
              return std::make_shared<BatchingQueue>(
                  batch_dim,
                  batching_options(minimum_batch_size, maximum_batch_size, timeout_ms,
@@ -150,13 +149,11 @@ PYBIND11_MODULE(libpolybeast, m) {
       "batcher, gets Batch objects and answers them with set_outputs. A Batch dropped\n"
       "without outputs, or outputs of the wrong batch size, raise RuntimeError in\n"
       "its callers; close() makes waiting callers raise ClosedBatchingQueue.")
-      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size,
-                       int64_t maximum_batch_size, std::optional<int64_t> timeout_ms,
-                       bool check_outputs) {
+      .def(py::init([](int64_t batch_dim, int64_t minimum_batch_size, int64_t maximum_batch_size,
+                       std::optional<int64_t> timeout_ms, bool check_outputs) {
              return std::make_shared<DynamicBatcher>(
                  batch_dim,
-                 batching_options(minimum_batch_size, maximum_batch_size, timeout_ms,
-                                  std::nullopt),
+                 batching_options(minimum_batch_size, maximum_batch_size, timeout_ms, std::nullopt),
                  check_outputs);
            }),
            py::arg("batch_dim") = 1, py::arg("minimum_batch_size") = 1,
@@ -173,7 +170,8 @@ PYBIND11_MODULE(libpolybeast, m) {
             }
             return beast::nest_to_python(outputs);
           },
-          py::arg("inputs"), "Blocks until the inference thread answers; returns this caller's rows.")
+          py::arg("inputs"),
+          "Blocks until the inference thread answers; returns this caller's rows.")
       .def("__iter__", [](py::object self) { return self; })
       .def("__next__",
            [](DynamicBatcher& batcher) {
@@ -230,8 +228,8 @@ PYBIND11_MODULE(libpolybeast, m) {
                        std::shared_ptr<DynamicBatcher> inference_batcher,
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
-                       double connect_timeout_s, double stream_timeout_s,
-                       int64_t envs_per_stream, py::handle initial_last_action,
+                       double connect_timeout_s, double stream_timeout_s, int64_t envs_per_stream,
+                       py::handle initial_last_action,
                        std::optional<std::map<std::string, std::string>> tls) {
              beast::Array last = beast::filled_array<int64_t>(beast::dtypes::kInt64, 0, {});
              if (!initial_last_action.is_none()) {

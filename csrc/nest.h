@@ -36,7 +36,7 @@ namespace py = pybind11;
 // NumPy type numbers of the arrays that C++ code creates itself.
 namespace dtypes {
 constexpr int kBool = 0;
-constexpr int kInt32 = 5;                          // NPY_INT
+constexpr int kInt32 = 5;  // NPY_INT
 constexpr int kInt64 = sizeof(long) == 8 ? 7 : 9;  // NPY_LONG on LP64, else NPY_LONGLONG
 constexpr int kFloat32 = 11;
 }  // namespace dtypes
@@ -45,20 +45,30 @@ constexpr int kFloat32 = 11;
 // (object, strings, datetimes, long double).
 inline int64_t itemsize_of(int dtype) {
   switch (dtype) {
-    case 0: case 1: case 2: return 1;    // bool, int8, uint8
-    case 3: case 4: case 23: return 2;   // int16, uint16, float16
-    case 5: case 6: case 11: return 4;   // int32, uint32, float32
-    case 7: case 8: return sizeof(long); // C long, C unsigned long
-    case 9: case 10: case 12: case 14: return 8;  // int64, uint64, float64, complex64
-    case 15: return 16;                  // complex128
+    case 0:
+    case 1:
+    case 2: return 1;  // bool, int8, uint8
+    case 3:
+    case 4:
+    case 23: return 2;  // int16, uint16, float16
+    case 5:
+    case 6:
+    case 11: return 4;  // int32, uint32, float32
+    case 7:
+    case 8: return sizeof(long);  // C long, C unsigned long
+    case 9:
+    case 10:
+    case 12:
+    case 14: return 8;  // int64, uint64, float64, complex64
+    case 15: return 16;  // complex128
     default: return 0;
   }
 }
 
 inline std::string dtype_name(int dtype) {
   static const std::map<int, std::string> names = {
-      {0, "bool"},     {1, "int8"},     {2, "uint8"},      {3, "int16"},       {4, "uint16"},
-      {5, "int32"},    {6, "uint32"},   {9, "int64"},      {10, "uint64"},     {11, "float32"},
+      {0, "bool"},     {1, "int8"},       {2, "uint8"},       {3, "int16"},   {4, "uint16"},
+      {5, "int32"},    {6, "uint32"},     {9, "int64"},       {10, "uint64"}, {11, "float32"},
       {12, "float64"}, {14, "complex64"}, {15, "complex128"}, {23, "float16"}};
   if (dtype == 7 || dtype == 8) dtype += sizeof(long) == 8 ? 2 : -2;  // C long: int64 or int32
   auto it = names.find(dtype);
@@ -111,9 +121,9 @@ struct Nest {
   enum class Kind { kArray, kList, kTuple, kDict };
 
   Kind kind = Kind::kTuple;
-  Array array;                           // kArray
-  std::vector<Nest> items;               // kList, kTuple
-  std::map<std::string, Nest> fields;    // kDict
+  Array array;  // kArray
+  std::vector<Nest> items;  // kList, kTuple
+  std::map<std::string, Nest> fields;  // kDict
 
   static Nest of(Array a) {
     Nest n;
@@ -256,8 +266,8 @@ inline void check_concatenable(const Nest& a, const Nest& b, int64_t dim,
         fits = static_cast<int64_t>(d) == dim || x.shape[d] == y.shape[d];
       }
       if (!fits) {
-        throw std::invalid_argument("shapes do not fit " + where(path) + ": " +
-                                    shape_str(x.shape) + " vs " + shape_str(y.shape) +
+        throw std::invalid_argument("shapes do not fit " + where(path) + ": " + shape_str(x.shape) +
+                                    " vs " + shape_str(y.shape) +
                                     " (every dimension except batch_dim=" + std::to_string(dim) +
                                     " must agree)");
       }
@@ -421,8 +431,8 @@ inline std::vector<Nest> split(const Nest& nest, const std::vector<int64_t>& siz
   for (int64_t s : sizes) total += s;
   int64_t size = batch_size(nest, dim);
   if (size >= 0 && size != total) {
-    throw std::invalid_argument("batch size " + std::to_string(size) + " along batch_dim=" +
-                                std::to_string(dim) + " does not match the " +
+    throw std::invalid_argument("batch size " + std::to_string(size) +
+                                " along batch_dim=" + std::to_string(dim) + " does not match the " +
                                 std::to_string(total) + " rows of the inputs");
   }
   std::vector<Nest> outs(sizes.size());
@@ -475,8 +485,9 @@ inline Nest nest_from_python(py::handle obj, const std::string& path = "") {
     Nest n = Nest::dict({});
     for (auto [key, value] : py::reinterpret_borrow<py::dict>(obj)) {
       if (!py::isinstance<py::str>(key)) {
-        throw std::invalid_argument("dict keys must be str " + where(path) + ", got " +
-                                    std::string(py::str(py::type::handle_of(key).attr("__name__"))));
+        throw std::invalid_argument(
+            "dict keys must be str " + where(path) + ", got " +
+            std::string(py::str(py::type::handle_of(key).attr("__name__"))));
       }
       std::string k = key.cast<std::string>();
       n.fields[k] = nest_from_python(value, path + "['" + k + "']");
@@ -517,7 +528,8 @@ inline py::object nest_to_python(const Nest& nest) {
   switch (nest.kind) {
     case Nest::Kind::kArray: {
       auto* owner = new std::shared_ptr<std::string>(nest.array.data);
-      py::capsule base(owner, [](void* p) { delete static_cast<std::shared_ptr<std::string>*>(p); });
+      py::capsule base(owner,
+                       [](void* p) { delete static_cast<std::shared_ptr<std::string>*>(p); });
       return py::array(py::dtype(nest.array.dtype), nest.array.shape, (*owner)->data(), base);
     }
     case Nest::Kind::kList: {
@@ -578,7 +590,8 @@ inline Nest nest_from_proto(rpcenv::ArrayNest* proto, const std::string& path = 
   Nest n;
   n.kind = Nest::Kind::kList;
   for (int i = 0; i < proto->vector_size(); ++i) {
-    n.items.push_back(nest_from_proto(proto->mutable_vector(i), path + "[" + std::to_string(i) + "]"));
+    n.items.push_back(
+        nest_from_proto(proto->mutable_vector(i), path + "[" + std::to_string(i) + "]"));
   }
   return n;
 }
@@ -597,7 +610,8 @@ inline void nest_to_proto(const Nest& nest, rpcenv::ArrayNest* proto) {
       for (const Nest& item : nest.items) nest_to_proto(item, proto->add_vector());
       return;
     case Nest::Kind::kDict:
-      for (const auto& [key, value] : nest.fields) nest_to_proto(value, &(*proto->mutable_map())[key]);
+      for (const auto& [key, value] : nest.fields)
+        nest_to_proto(value, &(*proto->mutable_map())[key]);
       return;
   }
 }

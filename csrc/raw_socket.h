@@ -175,7 +175,8 @@ class RawSocket {
 // connections is not replaced (another server listens there); a stale one is.
 class RawListener {
  public:
-  explicit RawListener(const std::string& address) : path_(address.substr(std::strlen(kRawScheme))) {
+  explicit RawListener(const std::string& address)
+      : path_(address.substr(std::strlen(kRawScheme))) {
     sockaddr_un addr = raw_socket_address(address);
     if (RawSocket::connect(address).valid()) {
       throw std::runtime_error("EnvServer: address in use: " + address +

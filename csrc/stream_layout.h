@@ -37,8 +37,8 @@ inline const std::string kObservationPrefix = "frame/";
 // Throws std::invalid_argument, with a message for the client, otherwise.
 inline int64_t parse_envs_per_stream(const std::string& value) {
   const std::string problem = "metadata '" + std::string(kEnvsPerStreamKey) + "' must be an " +
-                              "integer in [1, " + std::to_string(kMaxEnvsPerStream) +
-                              "], got '" + value.substr(0, 32) + "'";
+                              "integer in [1, " + std::to_string(kMaxEnvsPerStream) + "], got '" +
+                              value.substr(0, 32) + "'";
   if (value.empty() || value.size() > 9 ||
       value.find_first_not_of("0123456789") != std::string::npos) {
     throw std::invalid_argument(problem);
