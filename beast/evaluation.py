@@ -8,7 +8,22 @@ import numpy as np
 import torch
 
 from beast import envs
+from beast import vector_envs
 from beast import video
+
+
+class BadStep(ValueError):
+    """An evaluation environment returned a reward or observation that is not finite."""
+
+
+def checked(env_output, env_id):
+    """env_output, once its rewards and observations are known to be finite (as the
+    actors check theirs: vector_envs.nonfinite_problem)."""
+    problem = vector_envs.nonfinite_problem(
+        {k: np.asarray(v)[None] for k, v in env_output.items()}, env_id)
+    if problem is not None:
+        raise BadStep(f"evaluation: {problem}")
+    return env_output
 
 
 def play_episodes(flags, model, num_episodes, seed, video_paths=()):
@@ -26,14 +41,15 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
     max_steps = flags.eval_max_steps
     returns = []
     try:
-        env_output = env.initial()
+        env_output = checked(env.initial(), flags.env)
         state = model.initial_state(1)
         while len(returns) < num_episodes:
             inputs = {k: torch.as_tensor(np.asarray(v)).view(1, 1, *np.shape(v))
                       for k, v in env_output.items()}
             with torch.no_grad():
                 output, state = model(inputs, state)
-            env_output = env.step(output["action"][0, 0].numpy())  # an int64, or float32 [A]
+            # An int64, or float32 [A].
+            env_output = checked(env.step(output["action"][0, 0].numpy()), flags.env)
             if env_output["game_over"]:
                 returns.append(float(env_output["episode_return"]))
             elif 0 < max_steps <= env_output["episode_step"]:
@@ -41,7 +57,7 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
                 print(f"warning: game {len(returns)} stopped at --eval_max_steps "
                       f"{max_steps:,}, with a return of {returns[-1]:g} so far.",
                       file=sys.stderr)
-                env_output = env.initial()
+                env_output = checked(env.initial(), flags.env)
                 state = model.initial_state(1)
     finally:
         env.close()

@@ -632,7 +632,8 @@ def main(variant, argv=None):
             train(flags, variant)
         else:
             test(flags, variant)
-    except (UserError, distributed.DistributedError, runlog.TrackingError) as e:
+    except (UserError, distributed.DistributedError, runlog.TrackingError,
+            evaluation.BadStep) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

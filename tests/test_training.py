@@ -186,6 +186,15 @@ def test_evaluation_acts_greedily_unless_asked_to_sample():
         assert len(returns) == 2 and set(model.modes) == {sampled}
 
 
+def test_evaluation_refuses_a_reward_that_is_not_finite():
+    """An evaluation's environment is checked as the actors' are: a NaN reward would make
+    the logged eval_mean_episode_return NaN. It names the environment and the field."""
+    env = "tests.flaky_env:NaNRewardCartPole-v0"  # NaN rewards after 300 steps
+    flags = flag_helpers.make_flags(env=env, eval_policy="greedy")
+    with pytest.raises(evaluation.BadStep, match=f"of {env} returned nan as its 'reward'"):
+        evaluation.play_episodes(flags, RecordsMode(), num_episodes=1000, seed=0)
+
+
 def test_greedy_evaluation_is_deterministic():
     """Same weights, same seed: the same returns, since no action is sampled."""
     model = RecordsMode()
