@@ -4,6 +4,8 @@ import errno
 import os
 import signal
 import subprocess
+import tempfile
+import time
 
 import pytest
 import torch
@@ -16,6 +18,35 @@ import torch
 # gave imageio no header, only that error on its stderr, and the test failed. grpcio reads
 # this when it first starts, so it is set here, before any test.
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "0"
+
+
+def run_until(command, done, timeout, **popen_args):
+    """Runs `command` until it ends or `done()` holds (asked every half second), then stops it
+    with SIGTERM, as a user who has seen enough does; returns its CompletedProcess (stderr
+    only). A learning test stops its run once the run has learned: the steps after that would
+    check nothing more. After `timeout` seconds the run is stopped all the same."""
+    with tempfile.TemporaryFile("w+") as stderr:  # a pipe that nobody reads could fill up
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                   **popen_args)
+        try:
+            deadline = time.monotonic() + timeout
+            while process.poll() is None and not done() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, "", stderr.read())
+
+
+@pytest.fixture(name="run_until")
+def run_until_fixture():
+    """run_until (above), for the tests."""
+    return run_until
 
 
 @pytest.fixture
