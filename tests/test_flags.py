@@ -379,6 +379,9 @@ def test_polybeast_env_serves_atari_standalone(tmp_path):
             time.sleep(0.05)
         assert socket.exists(), "no socket; polybeast_env said: " + (
             process.communicate(timeout=JOIN_TIMEOUT_S)[1] if process.poll() is not None else "")
+        # It says "serving" a moment after the socket appears: a SIGTERM before then (on a
+        # loaded machine) would stop it before it says so.
+        serving = process.stdout.readline()
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=JOIN_TIMEOUT_S)
     finally:
@@ -386,7 +389,7 @@ def test_polybeast_env_serves_atari_standalone(tmp_path):
             process.kill()
             process.communicate(timeout=JOIN_TIMEOUT_S)
     assert process.returncode == 0, err
-    assert "serving ALE/Pong-v5" in out
+    assert "serving ALE/Pong-v5" in serving + out
 
 
 # ---------------------------------------------------------------------------------------------
