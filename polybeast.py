@@ -604,9 +604,14 @@ def check_env_outputs(schema, env_outputs):
     except ValueError as e:
         raise training.UserError(
             f"{e}. Do the env servers run the same --env as the learner?") from None
-    # Values the model cannot take. (NaN and inf in rewards and observations are refused
-    # earlier, by the actor pool, naming the server: libpolybeast.BadStep.)
+    # Values the model cannot take. (The actor pool refuses NaN and inf in what the servers
+    # send, rewards included, naming the server: libpolybeast.BadStep.)
     last_action = env_outputs["last_action"]
+    for name in rollout.observation_names(env_outputs):  # frame, or a Dict's entries
+        frame = env_outputs[name]
+        if frame.dtype.kind == "f" and not np.isfinite(frame).all():
+            raise training.UserError(f"an env server sent an observation ({name!r}) with NaN or "
+                                     "inf in it; the environment (or a wrapper) produced it.")
     if schema.continuous:
         # Our own actions coming back, but from another process: NaN would reach the model.
         if not np.isfinite(last_action).all():
