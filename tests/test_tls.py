@@ -278,13 +278,14 @@ def test_polybeast_env_exposed_tls_server_warns_about_what_is_left_open(pki, cap
     (["--tls_cert", "{pki}/server.pem", "--tls_key", "{pki}/server.key", "--pipes_basename",
       "unix:/tmp/x"], "give --address HOST:PORT"),
 ])
-def test_polybeast_env_refuses_bad_tls_flags(pki, args, message):
+def test_polybeast_env_refuses_bad_tls_flags(pki, args, message, capsys):
     args = [a.format(pki=pki) for a in args]
     if "--pipes_basename" not in args:
         args += ["--address", "127.0.0.1:4000"]
     with pytest.raises(SystemExit) as exit_info:
         polybeast_env.main(["--env", "CartPole-v1", *args])
-    assert message in str(exit_info.value.code)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
