@@ -221,7 +221,7 @@ def test_the_acting_process_of_a_learner_off_the_cpu_is_spawned(monkeypatch, sta
     stay on the learner's device (a spawned child gets them through CUDA IPC); a fork could
     not use CUDA, so asking for one is refused with what to change."""
     monkeypatch.setattr(training, "build_model", lambda flags, info: torch.nn.Linear(2, 2))
-    flags = argparse.Namespace(acting_start_method=start_method,
+    flags = argparse.Namespace(acting_start_method=start_method, acting_precision="fp32",
                                num_inference_threads=2)
     model = torch.nn.Linear(2, 2, device="meta")
     if context is None:
