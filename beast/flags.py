@@ -28,6 +28,8 @@ KIND_LABELS = {
     "continuous": "continuous control",  # [D] observations and a Box action space: Pendulum
 }
 
+PRECISIONS = ["auto", "fp32", "bf16"]
+
 # Defaults by kind of environment, for the flags that default to None. Every kind lists every key.
 ENV_DEFAULTS = {
     # TorchBeast's settings (the IMPALA paper's single-machine ones).
@@ -48,6 +50,11 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.99,
         reward_scale=1.0,
+        # The Atari net's convolutions dominate a step of the learner and of the actors, and
+        # bf16 runs them faster wherever the CPU has bf16 instructions; "auto" turns it on
+        # there (resolve_precisions).
+        precision="auto",
+        acting_precision="auto",
     ),
     # Written for MinAtar: the vector settings except for the net, the schedule, the step
     # size, the unroll and the entropy cost.
@@ -86,6 +93,8 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.99,
         reward_scale=1.0,
+        precision="fp32",  # this kind's results are float32's
+        acting_precision="fp32",
     ),
     # Chosen with `python -m bench.solve` on CartPole-v1: settings that reach a mean return of
     # 475 on every tuning seed. T=80 means fewer learner steps per env step (more SPS,
@@ -116,6 +125,8 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.99,
         reward_scale=0.1,
+        precision="fp32",  # this kind's results are float32's
+        acting_precision="fp32",
     ),
     # Gaussian policies on Box action spaces (beast/models.py), chosen on Pendulum-v1
     # (tests/test_continuous.py learns it). Short unrolls and small batches: IMPALA makes one
@@ -141,6 +152,8 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.9,
         reward_scale=0.1,
+        precision="fp32",  # this kind's results are float32's
+        acting_precision="fp32",
     ),
 }
 
@@ -374,15 +387,21 @@ def _add_learner_flags(group):
                        help="Learner threads that take batches and update the model.")
     group.add_argument("--disable_cuda", action="store_true",
                        help="Train on the CPU even when a GPU is present.")
-    group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                       help="Learner forward pass precision (V-trace and losses stay fp32).")
-    group.add_argument("--acting_precision", default="fp32", choices=["fp32", "bf16"],
+    group.add_argument("--precision", default=None, choices=PRECISIONS,
+                       help="Learner forward pass precision (V-trace and losses stay fp32); "
+                            "auto: bf16 where the learner runs on a CPU with bf16 "
+                            "instructions (AMX, AVX-512 BF16), else fp32. The run's meta.json "
+                            "and status line say which "
+                            f"(default: {_env_default('precision')}).")
+    group.add_argument("--acting_precision", default=None, choices=PRECISIONS,
                        help="Precision of the acting model (MonoBeast's actors, PolyBeast's "
                             "inference): bf16 keeps its weights in bfloat16, which halves "
                             "what each small forward pass reads; outputs stay float32, the "
                             "learner float32 (or --precision), and V-trace corrects for "
                             "the difference like any other policy lag. Fast where the CPU "
-                            "has bf16 instructions (AMX, AVX-512 BF16), slow where not.")
+                            "has bf16 instructions (AMX, AVX-512 BF16), slow where not; auto "
+                            "as for --precision "
+                            f"(default: {_env_default('acting_precision')}).")
     group.add_argument("--max_nonfinite_updates", type=Number(int, low=1), default=10,
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")
@@ -564,6 +583,24 @@ class FlagError(ValueError):
         self.problems = list(problems)
         super().__init__("\n".join(["The flags cannot work together:"]
                                    + [f"  - {p}" for p in self.problems]))
+
+
+def resolve_precisions(flags, device_type, cpu_bf16=None):
+    """Turns --precision and --acting_precision "auto" into bf16 where the learner's device
+    is a CPU with bf16 instructions (emulated bf16 is slower than float32, and a GPU's runs
+    are float32's), else fp32. Returns what the run's meta.json records: both precisions and
+    why. cpu_bf16: machine.this_cpu()'s second value (None: this machine's)."""
+    if cpu_bf16 is None:
+        cpu_bf16 = machine.this_cpu()[1]
+    native = device_type == "cpu" and machine.has_native_bf16(cpu_bf16)
+    why = {}
+    for name in ("precision", "acting_precision"):
+        if getattr(flags, name) == "auto":
+            setattr(flags, name, "bf16" if native else "fp32")
+            why[name] = (f"auto: a {device_type.upper()} learner, the CPU's bf16: {cpu_bf16}")
+        else:
+            why[name] = "typed" if name in getattr(flags, "given", ()) else "saved or default"
+    return {name: {"value": getattr(flags, name), "why": why[name]} for name in why}
 
 
 def default_num_torch_threads():

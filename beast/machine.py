@@ -24,6 +24,11 @@ def cpu_description(cpuinfo):
     return model, ", ".join(found) if found else "none (emulated)"
 
 
+def has_native_bf16(cpu_bf16):
+    """Whether cpu_description's bf16 support names instructions, not emulation."""
+    return "AMX" in cpu_bf16 or "AVX-512 BF16" in cpu_bf16
+
+
 def this_cpu():
     """cpu_description of this machine (the platform's processor name where there is no
     /proc/cpuinfo)."""

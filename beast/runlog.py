@@ -634,7 +634,8 @@ class EpisodeStats:
 
 
 class StatusLine:
-    """Progress on one line: step/total (percent), SPS, mean return and losses.
+    """Progress on one line: a label (the precisions), step/total (percent), SPS, mean return
+    and losses.
 
     On a terminal the line is redrawn in place (at most every `tty_interval`
     seconds). Elsewhere (CI logs, files) a plain line is printed at most every
@@ -649,11 +650,13 @@ class StatusLine:
         interval: seconds between lines when stream is not a terminal.
         tty_interval: seconds between redraws on a terminal.
         clock: time source in seconds (replaceable in tests).
+        label: the line's first part (None: none).
     """
 
     def __init__(self, total_steps, stream=None, interval=30.0, tty_interval=0.2,
-                 clock=time.monotonic):
+                 clock=time.monotonic, label=None):
         self.total_steps = total_steps
+        self.label = label
         self.stream = sys.stderr if stream is None else stream
         isatty = getattr(self.stream, "isatty", None)
         self.is_tty = bool(isatty and isatty())
@@ -667,6 +670,8 @@ class StatusLine:
     def _format(self, step, stats, sps):
         percent = 100.0 * step / self.total_steps if self.total_steps else 0.0
         parts = [f"step {step}/{self.total_steps} ({percent:.1f}%)", f"SPS {sps:.0f}"]
+        if self.label:
+            parts.insert(0, self.label)
         if "mean_episode_return" in stats:
             parts.append(f"return {_scalar(stats['mean_episode_return']):.2f}")
         for key, value in stats.items():

@@ -164,6 +164,7 @@ def check_flags_for_env(flags, check_flags, checkpoint):
     problems += video.render_problems(flags)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
+    info["precisions"] = beast_flags.resolve_precisions(flags, select_device(flags).type)
     try:
         beast_flags.validate_flags(flags, problems + model_problems(flags, info))
         if checkpoint is not None:
@@ -197,6 +198,14 @@ def build_model(flags, info):
                                    **extra)
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def precision_label(flags):
+    """The status line's note of the precisions: "bf16", "fp32", or "learner bf16, acting
+    fp32" where they differ."""
+    if flags.precision == flags.acting_precision:
+        return flags.precision
+    return f"learner {flags.precision}, acting {flags.acting_precision}"
 
 
 def select_device(flags):
@@ -359,7 +368,7 @@ class Run:
             flags, lambda: build_model(flags, info), self.learner.step,
             enabled=self.ranks.is_main, videos_dir=run_dir.videos_dir)
         self.status = (None if flags.no_progress or not self.ranks.is_main
-                       else runlog.StatusLine(flags.total_steps))
+                       else runlog.StatusLine(flags.total_steps, label=precision_label(flags)))
         self.errors = ThreadErrors()
         self.last_checkpoint = time.time()
         self.saved_step = self.learner.step if checkpoint is not None else None  # on disk
@@ -531,7 +540,7 @@ def run_training(flags, variant, ranks, run_dir, info, checkpoint):
         if ranks.is_main:
             runlog.write_metadata(run_dir, flags, dict(
                 world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
-                machine=machine.describe(device)))
+                machine=machine.describe(device), precisions=info["precisions"]))
         start_step = 0 if checkpoint is None else checkpoint["step"]
         with (runlog.StatsLogger(run_dir, flags=flags, start_step=start_step) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:

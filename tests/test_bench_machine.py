@@ -1,9 +1,11 @@
-"""The machine line of bench reports: the CPU model and its bf16 support, which decide how
-much --precision bf16 gains (about 1.7x with AMX, 1.16x with AVX-512 BF16 on this project's
-machines)."""
+"""The machine a run or a report names: the CPU model and its bf16 support, which decide how
+much bf16 gains and whether --precision auto chooses it."""
 
 import json
 
+import pytest
+
+from beast import flags as beast_flags
 from beast import machine
 from beast import runlog
 from bench import run
@@ -86,3 +88,32 @@ def test_env_ceiling_steps_a_vector_env_and_counts_every_environment(monkeypatch
     # CPU time per environment step: the process's time over every timed env step, so at most
     # the wall time of the chunk over those steps (one thread), not VECTOR_ENVS times more.
     assert result["core_us"] <= 1.5 * 0.2e6 / (timed * ceilings.VECTOR_ENVS) + 50
+
+
+@pytest.mark.parametrize("cpu_bf16, device, expected", [
+    ("AMX, AVX-512 BF16", "cpu", "bf16"), ("AVX-512 BF16", "cpu", "bf16"),
+    ("none (emulated)", "cpu", "fp32"), ("AMX, AVX-512 BF16", "cuda", "fp32")])
+def test_auto_precision_is_bf16_where_a_cpu_learner_has_bf16_instructions(cpu_bf16, device,
+                                                                          expected):
+    flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
+                                           {"kind": "atari"})
+    assert (flags.precision, flags.acting_precision) == ("auto", "auto")
+    chosen = beast_flags.resolve_precisions(flags, device, cpu_bf16=cpu_bf16)
+    assert (flags.precision, flags.acting_precision) == (expected, expected)
+    for name in ("precision", "acting_precision"):
+        assert chosen[name]["value"] == expected
+        assert chosen[name]["why"].startswith("auto") and cpu_bf16 in chosen[name]["why"]
+
+
+def test_a_typed_precision_and_the_small_nets_defaults_stay_as_they_are():
+    flags = beast_flags.common_parser().parse_args(["--acting_precision", "fp32"])
+    flags.given = {"acting_precision"}
+    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
+    chosen = beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="AMX")
+    assert (flags.precision, flags.acting_precision) == ("bf16", "fp32")
+    assert chosen["acting_precision"] == {"value": "fp32", "why": "typed"}
+    for kind in ("image", "vector", "continuous"):
+        flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
+                                               {"kind": kind})
+        beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="AMX")
+        assert (flags.precision, flags.acting_precision) == ("fp32", "fp32"), kind

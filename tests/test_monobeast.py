@@ -25,6 +25,7 @@ import flag_helpers
 import monobeast
 import process_helpers
 from beast import envs, flags as beast_flags
+from beast import machine as beast_machine
 from beast import restarts, system
 from beast import rollout, runlog, training
 from beast import checkpoint as ckpt
@@ -82,6 +83,7 @@ def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False,
                               + (["--use_lstm"] if use_lstm else []))
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
+    beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="none (emulated)")
     flags.num_buffers = num_buffers
     model = training.build_model(flags, info)
     schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
@@ -163,6 +165,11 @@ def test_pong_smoke_logs_episode_returns(tmp_path):
     machine = json.loads((tmp_path / "pong" / "meta.json").read_text())["machine"]
     assert machine["cpu"] and machine["cores"] >= 1
     assert (machine["gpu"] is None) == (not torch.cuda.is_available())
+    # Atari's precisions are auto: bf16 on a CPU learner with bf16 instructions.
+    precisions = json.loads((tmp_path / "pong" / "meta.json").read_text())["precisions"]
+    native = (not torch.cuda.is_available()) and beast_machine.has_native_bf16(machine["cpu_bf16"])
+    assert precisions["precision"]["value"] == ("bf16" if native else "fp32")
+    assert precisions["acting_precision"]["value"] == precisions["precision"]["value"]
 
 
 @pytest.mark.slow

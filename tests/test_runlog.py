@@ -259,6 +259,15 @@ def test_status_line_non_tty_is_bounded():
     assert "SPS 1" in lines[0] and "return 2.50" in lines[0] and "total_loss 0.125" in lines[0]
 
 
+def test_status_line_starts_with_its_label():
+    stream, clock = io.StringIO(), FakeClock()
+    status = runlog.StatusLine(100, stream=stream, interval=1.0, clock=clock, label="bf16")
+    status.update(0)
+    clock.now += 2.0
+    status.update(50, {"mean_episode_return": 1.0})
+    assert stream.getvalue().startswith("bf16 | step 50/100 (50.0%) | SPS 25")
+
+
 def test_status_line_tty_redraws_in_place():
     class Terminal(io.StringIO):
         def isatty(self):
