@@ -544,7 +544,7 @@ def run_training(flags, variant, ranks, run_dir, info, checkpoint):
         start_step = 0 if checkpoint is None else checkpoint["step"]
         with (runlog.StatsLogger(run_dir, flags=flags, start_step=start_step) if ranks.is_main
               else contextlib.nullcontext(RankLogger(ranks))) as logger:
-            model = build_model(flags, info).to(device)
+            model = models.to_learning_layout(build_model(flags, info).to(device))
             acting_model = variant.acting_model(flags, info, model)
             run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
             if ranks.is_distributed:  # the same weights everywhere, each rank its own actions

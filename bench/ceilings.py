@@ -273,7 +273,7 @@ def _measure_learner(net, precision, threads, unroll_length, batch_size, min_ste
     flags.unroll_length, flags.batch_size = unroll_length, batch_size
     torch.manual_seed(0)
     with torch_threads(threads):
-        model = build_net(flags, info)
+        model = models.to_learning_layout(build_net(flags, info))
         optimizer, scheduler = learner.create_optimizer(flags, model)
         batch = random_rollout(flags, info, unroll_length + 1, batch_size)
         state = model.initial_state(batch_size)

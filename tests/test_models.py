@@ -328,3 +328,26 @@ def test_a_float32_acting_model_is_left_as_it_is():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with pytest.raises(ValueError, match="acting precision 'fp16'"):
         models.to_acting_precision(model, "fp16")
+
+
+@pytest.mark.parametrize("model_name, observation_shape", [("atari", (4, 84, 84)),
+                                                           ("resnet", (4, 10, 10))])
+def test_the_learning_layout_computes_what_the_nchw_model_does(model_name, observation_shape):
+    """NHWC weights (models.to_learning_layout) change the memory order, not the function:
+    outputs and gradients match those of the same weights in NCHW."""
+    nchw = make_model(model_name, observation_shape, use_lstm=False)
+    nhwc = models.to_learning_layout(make_model(model_name, observation_shape, use_lstm=False))
+    conv_weights = [p for p in nhwc.parameters() if p.dim() == 4]
+    assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last)
+                                and not p.is_contiguous() for p in conv_weights)
+    inputs = make_inputs(3, 2, observation_shape, uint8=True)
+    results = []
+    for net in (nchw, nhwc):
+        outputs, _ = net(inputs, ())
+        (outputs["policy_logits"].sum() + outputs["baseline"].sum()).backward()
+        results.append((outputs, [p.grad for p in net.parameters()]))
+    (out_a, grads_a), (out_b, grads_b) = results
+    for key in ("policy_logits", "baseline"):
+        torch.testing.assert_close(out_a[key], out_b[key], rtol=1e-4, atol=1e-5)
+    for grad_a, grad_b in zip(grads_a, grads_b):
+        torch.testing.assert_close(grad_a, grad_b, rtol=1e-3, atol=1e-4)
