@@ -2,8 +2,9 @@
 
 Runs the suite (SUITE: CartPole-v1, Acrobot-v1, the five MinAtar games, HalfCheetah-v5) for
 each variant and seed with the launcher (bench/launch.py: resumable, a few runs at once,
-failures recorded), then reads every run's logs.csv and writes a markdown report: per
-environment, one table row per variant, one PNG with a curve per variant.
+failures recorded), plays --test_episodes episodes with each finished run's final
+checkpoint (sampled and greedy), then reads every run's logs.csv and tests.jsonl and writes a
+markdown report: per environment, one table row per variant, one PNG with a curve per variant.
 
     python -m bench.learn            # the whole suite (long: 150M MinAtar steps in all)
     python -m bench.learn --envs CartPole-v1 --seeds 0,1 --variants monobeast
@@ -145,16 +146,17 @@ class Curve:
     # [from, to) steps after each resume where the 100-episode mean is not yet the run's
     # (see resume_settling); falls() passes over them.
     settling: list = dataclasses.field(default_factory=list)
-    # The returns of the latest greedy `--mode test` of the run's last checkpoint
-    # (tests.jsonl), and that checkpoint's step; [] and nan without one.
-    test_returns: list = dataclasses.field(default_factory=list)
-    test_step: float = math.nan
+    # By --eval_policy (TEST_POLICIES): the returns of the latest `--mode test` of the run's
+    # last checkpoint (tests.jsonl), and that checkpoint's step; a policy without one is absent.
+    test_returns: dict = dataclasses.field(default_factory=dict)
+    test_steps: dict = dataclasses.field(default_factory=dict)
     # With --pg_clip: each row's share of the batch that the trust region cut (pg_clipped).
     pg_clipped: list = dataclasses.field(default_factory=list)
 
-    @property
-    def test_return(self):
-        return statistics.fmean(self.test_returns) if self.test_returns else math.nan
+    def test_return(self, policy):
+        """The mean return of the latest test of the final checkpoint with policy, or nan."""
+        returns = self.test_returns.get(policy)
+        return statistics.fmean(returns) if returns else math.nan
 
     def first_at(self, threshold, evaluation=False):
         """The first step where the training curve (or, with evaluation, an offline
@@ -168,29 +170,36 @@ class Curve:
         return self.returns[-1] if self.returns else math.nan
 
     def falls(self):
-        """Every fall of the curve: (step, peak, low) of each time the 100-episode mean drops
-        below half of the best it had reached, counted only once it has passed half of its
-        final value (so that the noise of the first episodes is no fall); after a fall, the
-        next one counts only once the curve is back at 90% of its best. Only for a positive
-        final return: halving means nothing below zero. The rows of a resume's settling are
-        passed over: a fall that lasts beyond them is still found in the rows after.
+        """Every fall of the curve: (step, peak, low) of each time the 100-episode mean loses
+        half of what it had gained over its start, the curve's first value: it drops below
+        start + (peak - start) / 2, where peak is the best it had reached. Measured from the
+        start rather than from zero, it reads negative returns (Pong starts near -21) as it
+        reads positive ones, and a dip before the curve has gone far counts as one (MinAtar
+        Breakout's early policies can lose most of a small gain and learn on).
+
+        A fall counts only once peak - start is at least FALL_MIN_GAIN of the run's largest
+        gain (its highest value - start): below that, the curve has barely moved, and its
+        noise is no fall. After a fall, the next one counts only once the curve is back at
+        FALL_REARM of the peak's gain. A curve that never rises above its start has none. The
+        rows of a resume's settling are passed over, the start among them: a fall that lasts
+        beyond them is still found in the rows after.
         """
-        final = self.final_return
-        if not final > 0:
+        points = [(step, value) for step, value in zip(self.steps, self.returns)
+                  if not any(begin <= step < end for begin, end in self.settling)]
+        if not points:
             return []
-        found, peak, armed = [], None, True
-        for step, value in zip(self.steps, self.returns):
-            if any(start <= step < end for start, end in self.settling):
-                continue
-            if peak is None:
-                if value >= final / 2:
-                    peak = value
-                continue
-            if armed and value < peak / 2:
+        start = points[0][1]
+        largest_gain = max(value for _, value in points) - start
+        if not largest_gain > 0:
+            return []
+        found, peak, armed = [], start, True
+        for step, value in points[1:]:
+            gain = peak - start
+            if armed and gain >= FALL_MIN_GAIN * largest_gain and value < start + gain / 2:
                 found.append((step, peak, value))
                 armed = False
             peak = max(peak, value)
-            armed = armed or value >= 0.9 * peak
+            armed = armed or value - start >= FALL_REARM * (peak - start)
         return found
 
     def collapse(self):
@@ -204,7 +213,7 @@ class Curve:
         above REARM_NATS; the return is the training curve's at that step. Such a policy plays
         one action in every state, and the entropy bonus, whose gradient vanishes there, is
         all that brings it back. A fall of the curve can miss it: a collapse before the curve
-        first passes half of its final value is no fall.
+        has gained FALL_MIN_GAIN of its largest gain over its start is no fall.
         """
         found, armed = [], True
         for step, entropy in zip(self.entropy_steps, self.entropies):
@@ -215,6 +224,11 @@ class Curve:
             armed = armed or entropy > REARM_NATS
         return found
 
+
+# A fall needs a peak gain over the start of at least this share of the run's largest gain, and
+# the next fall a recovery to FALL_REARM of the peak's gain: Curve.falls.
+FALL_MIN_GAIN = 0.1
+FALL_REARM = 0.9
 
 # Below 0.01 nats a step, a policy plays one action with probability above 0.999 in nearly
 # every state. The collapsed SpaceInvaders runs fell to 1e-3-1e-15 and their return to 0;
@@ -341,12 +355,13 @@ def read_curve(path):
                     if _finite(r, "eval_mean_episode_return")}.items())
     entropies = policy_entropies(rows, path)
     timed = [r for r in rows if _finite(r, "_time")]
-    test = latest_test(path)
+    tests = {policy: latest_test(path, policy) for policy in TEST_POLICIES}
+    tests = {policy: test for policy, test in tests.items() if test}
     return Curve(steps=list(points), returns=list(points.values()),
                  entropy_steps=[s for s, _ in entropies], entropies=[e for _, e in entropies],
                  settling=resume_settling(timed, start_times(path), run_num_envs(path)),
-                 test_returns=test["returns"] if test else [],
-                 test_step=test["step"] if test else math.nan,
+                 test_returns={policy: test["returns"] for policy, test in tests.items()},
+                 test_steps={policy: test["step"] for policy, test in tests.items()},
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  pg_clipped=[r["pg_clipped"] for r in rows if _finite(r, "pg_clipped")],
                  last_step=max((r["step"] for r in rows), default=math.nan),
@@ -355,43 +370,60 @@ def read_curve(path):
                  eval_return=evals[-1][1] if evals else math.nan)
 
 
-def latest_test(path):
-    """The record (runlog.record_test) of the latest greedy test of the run's furthest
-    checkpoint, from its tests.jsonl; None without one."""
-    tests = [t for t in runlog.read_tests(os.path.join(path, "tests.jsonl"))
-             if t.get("policy") == "greedy" and isinstance(t.get("step"), (int, float))]
-    return max(tests, key=lambda t: t["step"], default=None) if tests else None
+# The --eval_policy values each finished run's final checkpoint is tested with, and the report
+# column of each. Sampled actions are what the training return measures, from the final
+# weights alone; greedy ones (the argmax) show the policy without its exploration.
+TEST_POLICIES = {"sample": "checkpoint, sampled (mean ± std over seeds)",
+                 "greedy": "checkpoint, greedy"}
 
 
-def test_command(spec, savedir, episodes):
-    """The argv that plays `episodes` greedy episodes with the run's checkpoint (one process,
-    whatever launched the training: a test does not run under torchrun)."""
+def run_tests(path, policy):
+    """The records (runlog.record_test) of the run's tests with policy, from its tests.jsonl,
+    in the order written."""
+    return [t for t in runlog.read_tests(os.path.join(path, "tests.jsonl"))
+            if t.get("policy") == policy and isinstance(t.get("step"), (int, float))]
+
+
+def latest_test(path, policy):
+    """The record of the last test with policy of the run's furthest checkpoint; None
+    without one."""
+    tests = run_tests(path, policy)
+    furthest = max((t["step"] for t in tests), default=None)
+    return [t for t in tests if t["step"] == furthest][-1] if tests else None
+
+
+def test_command(spec, savedir, episodes, policy):
+    """The argv that plays `episodes` episodes with the run's checkpoint, acting by policy (one
+    process, whatever launched the training: a test does not run under torchrun)."""
     module, _ = launch.LAUNCHERS[spec.variant]
     return [sys.executable, "-m", module, "--mode", "test", "--savedir", savedir, "--xpid",
-            spec.xpid, "--test_episodes", str(episodes), "--eval_policy", "greedy"]
+            spec.xpid, "--test_episodes", str(episodes), "--eval_policy", policy]
 
 
-def needs_test(result, savedir, episodes):
-    """Whether a finished run lacks a greedy test of at least `episodes` episodes with a
+def needs_test(result, savedir, episodes, policy):
+    """Whether a finished run lacks a test with policy of at least `episodes` episodes with a
     checkpoint of its total_steps."""
     if episodes <= 0 or not finished(result):
         return False
-    test = latest_test(launch.run_dir(result.spec, savedir))
-    return not (test and test["step"] >= result.target and len(test["returns"]) >= episodes)
+    return not any(t["step"] >= result.target and len(t["returns"]) >= episodes
+                   for t in run_tests(launch.run_dir(result.spec, savedir), policy))
 
 
 def test_runs(results, savedir, episodes):
-    """Plays --test_episodes greedy episodes with each finished run's final checkpoint, one
-    run at a time, unless tests.jsonl already has such a test; a failed test is reported and
-    leaves the report's cell empty."""
-    todo = [r for r in results if needs_test(r, savedir, episodes)]
-    for index, result in enumerate(todo, 1):
-        launch.progress(f"test {index}/{len(todo)} {result.spec.xpid}: {episodes} episodes")
-        done = subprocess.run(test_command(result.spec, savedir, episodes), cwd=launch.REPO,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    """Plays --test_episodes episodes with each finished run's final checkpoint, once per
+    policy of TEST_POLICIES, one test at a time, unless tests.jsonl already has such a test; a
+    failed test is reported and leaves the report's cell without that seed."""
+    todo = [(r, policy) for r in results for policy in TEST_POLICIES
+            if needs_test(r, savedir, episodes, policy)]
+    for index, (result, policy) in enumerate(todo, 1):
+        xpid = result.spec.xpid
+        launch.progress(f"test {index}/{len(todo)} {xpid}: {episodes} episodes, {policy}")
+        done = subprocess.run(test_command(result.spec, savedir, episodes, policy),
+                              cwd=launch.REPO, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True)
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-launch.STDERR_TAIL_LINES:])
-            launch.progress(f"test of {result.spec.xpid} failed ({done.returncode}):\n{tail}")
+            launch.progress(f"test ({policy}) of {xpid} failed ({done.returncode}):\n{tail}")
 
 
 def policy_entropies(rows, path):
@@ -510,10 +542,12 @@ def finished(result):
 
 
 RETURN_DIGITS = 2  # MinAtar Breakout's early returns differ in the second decimal
-TABLE_HEADER = ["variant", "final return (mean ± std)", "min – max", "seeds finished",
-                "failures", "collapses", "falls", "turned deterministic",
+# The checkpoint's tests sit beside the final return: the same policy's score at the end of
+# training, from the training curve and from the final weights.
+TABLE_HEADER = ["variant", "final return (mean ± std)", *TEST_POLICIES.values(), "min – max",
+                "seeds finished", "failures", "collapses", "falls", "turned deterministic",
                 "steps to solved (median)", "steps reached",
-                "wall time per run", "SPS", "eval return", "test return (greedy)",
+                "wall time per run", "SPS", "eval return",
                 "trust region cut (median)", "published reference"]
 
 
@@ -544,7 +578,8 @@ def table_row(variant, results, curves, reference, threshold=None):
     targets = sorted({r.target for r in results if r.target is not None})
     steps_text = fmt_range(steps, 0) + (f" of {', '.join(f'{t:,}' for t in targets)}"
                                         if targets else "")
-    return [variant, final_text, fmt_range(finals, RETURN_DIGITS),
+    return [variant, final_text, *(fmt_test(curves, policy) for policy in TEST_POLICIES),
+            fmt_range(finals, RETURN_DIGITS),
             f"{sum(map(finished, results))}/{len(results)}",
             str(sum(r.status == "failed" for r in results)), fmt_collapses(curves),
             fmt_falls(curves), fmt_deterministic(curves), fmt_steps_to(curves, threshold),
@@ -553,18 +588,19 @@ def table_row(variant, results, curves, reference, threshold=None):
             fmt_sps(spread([c.last_step / c.wall_s if c and c.wall_s > 0 else math.nan
                             for c in curves]).mean),
             fmt_spread(spread([c.eval_return if c else math.nan for c in curves]), RETURN_DIGITS),
-            fmt_test(curves), fmt_pg_clipped(curves),
+            fmt_pg_clipped(curves),
             (reference.value or "— (see below)") if reference else "—"]
 
 
-def fmt_test(curves):
-    """Mean ± std over seeds of each seed's greedy test return, and the episodes a seed."""
-    tested = [c for c in curves if c is not None and c.test_returns]
+def fmt_test(curves, policy):
+    """Mean ± std over seeds of each seed's test return with policy, and the seeds and
+    episodes a seed; n/a when no seed has such a test."""
+    tested = [c for c in curves if c is not None and c.test_returns.get(policy)]
     if not tested:
         return "n/a"
-    counts = sorted({len(c.test_returns) for c in tested})
+    counts = sorted({len(c.test_returns[policy]) for c in tested})
     episodes = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-    return (fmt_spread(spread([c.test_return for c in tested]), RETURN_DIGITS)
+    return (fmt_spread(spread([c.test_return(policy) for c in tested]), RETURN_DIGITS)
             + f" ({len(tested)} seeds x {episodes} episodes)")
 
 
@@ -653,9 +689,16 @@ def fmt_difference(name, values, base):
     return text + ")"
 
 
+# What each row is set against the first row by: (name in the line, a seed's value).
+DIFFERENCES = [("final return", lambda c: c.final_return),
+               ("checkpoint sampled return", lambda c: c.test_return("sample")),
+               ("checkpoint greedy return", lambda c: c.test_return("greedy"))]
+
+
 def difference_lines(names, curves_by_seed):
-    """Each row after the first against the first: final return and, where both have one,
-    greedy test return. curves_by_seed: row name -> {seed: Curve or None}."""
+    """Each row after the first against the first: final return and, where both have them,
+    the checkpoint's sampled and greedy test returns. curves_by_seed: row name -> {seed: Curve
+    or None}."""
     if len(names) < 2:
         return []
     def per_seed(name, value):
@@ -665,8 +708,7 @@ def difference_lines(names, curves_by_seed):
     lines = [f"Against `{base}` (the first row):"]
     for name in names[1:]:
         parts = [fmt_difference(label, per_seed(name, value), per_seed(base, value))
-                 for label, value in (("final return", lambda c: c.final_return),
-                                      ("greedy test return", lambda c: c.test_return))]
+                 for label, value in DIFFERENCES]
         parts = [p for p in parts if p]
         lines.append(f"- `{name}`: " + ("; ".join(parts) if parts else "no return to compare"))
     return lines + [""]
@@ -754,37 +796,46 @@ def env_section(env, variants, by_run, plot_path, link, points=200):
 HOW_TO_READ = (
     "Final return: `mean_episode_return` of the last logs.csv row that has one (the mean of the "
     "last 100 training episodes, sampled actions); mean ± sample std (n-1) and min – max over "
-    "seeds. Seeds finished: logs reaching total_steps. Steps reached: the last step logged, "
+    "seeds. Checkpoint, sampled and checkpoint, greedy (with `--test_episodes`, on by "
+    "default): each seed's mean return over episodes played with its final checkpoint "
+    "(`--mode test`), its actions sampled from the policy as in training, or the argmax "
+    "action; mean ± std over seeds, with the seeds and episodes a seed (n/a: no seed has "
+    "such a test). The sampled return differs from the final return by the older policies "
+    "that the window of 100 training episodes still holds, the greedy one from the sampled "
+    "by exploration: a policy that keeps more entropy scores lower sampled than greedy. "
+    "Seeds finished: logs reaching total_steps. Steps reached: the last step logged, "
     "min – max over seeds. Wall time: mean over seeds, each run from its start to its last "
     "row, summed over resumes. Eval return: the `eval_mean_episode_return` of the latest "
     "snapshot (only with `--eval_interval_steps`). Curves: each seed interpolated linearly on a "
     "common step grid "
     "(the range all seeds cover); line = mean over seeds, band = min – max over seeds; a "
     "dashed line, for runs with evaluations, is the mean of their evaluations. "
-    "Collapses: seeds whose 100-episode mean, once past half of its final value, fell below "
-    "half of the best it had reached (the first such fall of each: from the best to the low, "
-    "at the step it happened); counted only for positive final returns. Falls: every such "
-    "fall of every seed, a fall counting again only after the curve is back at 90% of its "
-    "best; the total, the mean per seed, and the seeds with at least one. Both pass over "
+    "Falls: each time a seed's 100-episode mean lost half of what it had gained over its "
+    "start (its first value): below start + (best - start) / 2, counted once best - start is "
+    f"at least {FALL_MIN_GAIN:.0%} of the run's largest gain (before that the curve has "
+    "barely moved), and again only after the curve is back at "
+    f"{FALL_REARM:.0%} of its best's gain; measured from the start, it counts negative "
+    "returns and early dips alike; the total, the mean per seed, and the seeds with at least "
+    "one. Collapses: the seeds with a fall, each with its first (from the best to the low, "
+    "at the step it happened). Both pass over "
     "the rows after a resume until as many episodes as the run has environments, and 100 "
     "more, have ended: a resume starts every environment afresh, the short episodes end "
     "first, and the mean dips though nothing was unlearnt. Turned "
     "deterministic: seeds whose policy's mean entropy in a logged batch fell below "
     f"{DETERMINISTIC_NATS} nats a step (one action in nearly every state), each time with "
     "its step and the training return then; it catches the collapses that come before a "
-    "curve passes half of its final value, which the falls miss. Steps to solved "
+    f"curve has gained {FALL_MIN_GAIN:.0%} of its largest gain, which the falls miss. "
+    "Steps to solved "
     "(envs with a Gymnasium reward_threshold): the median over the seeds that got there of "
     "the first step where the training curve reached it, and, for runs with evaluations, "
     "where an evaluation of that step's weights did; (n/m) seeds got there. The training "
     "curve reports policies from further back the more environments a run has in flight "
-    "(its episodes started earlier), so compare layouts by the evaluations. Test return "
-    "(with `--test_episodes`): each seed's mean return over greedy episodes (the argmax "
-    "action) played with its final checkpoint, then mean ± std over seeds; the training "
-    "return samples its actions, so a policy that keeps more entropy scores lower there "
-    "than it plays. Trust region cut (runs with `--pg_clip`): each seed's median, over its "
+    "(its episodes started earlier), so compare layouts by the evaluations or the "
+    "checkpoint's returns. Trust region cut (runs with `--pg_clip`): each seed's median, over its "
     "logged rows, of `pg_clipped`, the share of the batch whose policy-gradient advantage the "
     "trust region set to 0; the mean over seeds and min – max. Against the first row (with "
-    "more than one row): each other row's difference in mean final (and greedy test) return, "
+    "more than one row): each other row's difference in mean final return (and the "
+    "checkpoint's sampled and greedy returns), "
     "Welch's t of it with its degrees of freedom (unequal variances; with 3 seeds a side, |t| "
     "above about 2.8 is the two-sided 5% level at 4 df, and 3 seeds tell apart only large "
     "effects), and in how many of the seeds both rows ran the row is higher seed for seed.")
@@ -886,12 +937,13 @@ def make_parser():
     group.add_argument("--label", default="",
                        help="With --compare: the label of this savedir's rows and curves "
                             "(default: none, the variant alone).")
-    group.add_argument("--test_episodes", type=int, default=0,
-                       help="Once the runs are done, play this many greedy episodes with each "
-                            "finished run's final checkpoint (`--mode test`, kept in its "
-                            "tests.jsonl; a run tested before is not played again) and report "
-                            "their mean over seeds: the policy without its exploration, which "
-                            "the training return includes. 0: none.")
+    group.add_argument("--test_episodes", type=int, default=100,
+                       help="Once the runs are done, play this many episodes with each "
+                            "finished run's final checkpoint, once sampling its actions and "
+                            "once greedy (two `--mode test`s, kept in its tests.jsonl; a "
+                            "policy tested before with as many episodes at that checkpoint "
+                            "is not played again), and report their mean over seeds beside "
+                            "the final return. 0: none.")
     return parser
 
 

@@ -55,7 +55,8 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     assert first.returncode == 0, first.stderr[-3000:]
     assert len(re.findall(r"\] start \d/4 ", first.stderr)) == 4, first.stderr
     assert len(re.findall(r"\] done \d/4 ", first.stderr)) == 4, first.stderr
-    assert len(re.findall(r"\] test \d/4 ", first.stderr)) == 4, first.stderr
+    # Each run's checkpoint is played twice: sampled actions, then greedy ones.
+    assert len(re.findall(r"\] test \d/8 ", first.stderr)) == 8, first.stderr
     for xpid in ("CartPole-v1-monobeast-s0", "CartPole-v1-monobeast-s1",
                  "Null-v0-monobeast-s0", "Null-v0-monobeast-s1"):
         for name in ("logs.csv", "stdout.txt", "stderr.txt", "launch.json", "model.tar"):
@@ -76,9 +77,11 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
         assert cell(row, "failures") == "0"
         assert cell(row, "steps reached").endswith("of 2,000")
         assert cell(row, "final return (mean ± std)") != "n/a"
-        assert cell(row, "test return (greedy)").endswith("(2 seeds x 2 episodes)")
+        for column in learn.TEST_POLICIES.values():
+            assert cell(row, column).endswith("(2 seeds x 2 episodes)")
         test = learn.read_curve(str(savedir / f"{env}-monobeast-s0"))
-        assert len(test.test_returns) == 2 and test.test_step >= 2000
+        for policy in ("sample", "greedy"):
+            assert len(test.test_returns[policy]) == 2 and test.test_steps[policy] >= 2000
         png = tmp_path / "plots" / f"{env}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{env}.png)" in report
@@ -344,29 +347,55 @@ def test_steps_to_solved_by_training_curve_and_by_evaluation():
         ([k, 2 * k], [476.0, 500.0]), ([k, 3 * k], [20.0, 475.0])]
 
 
-def curve(returns):
-    return learn.Curve(list(range(1, len(returns) + 1)), list(returns), len(returns), 1.0)
+def curve(returns, every=1):
+    """A Curve with a point every `every` steps from `every` on."""
+    steps = [every * i for i in range(1, len(returns) + 1)]
+    return learn.Curve(steps, list(returns), every * len(returns), 1.0)
 
 
-def test_collapse_is_a_fall_below_half_the_best_after_passing_half_the_final():
-    # Passes half of 20 at 12, peaks at 17, falls to 8 (< 17 / 2): a collapse at the 5th point.
-    assert curve([1, 12, 17, 9, 8, 15, 20]).collapse() == (5, 17, 8)
-    # The early noise (4 to 1) happens before half of the final value: no collapse.
-    assert curve([4, 1, 6, 12, 18, 20]).collapse() is None
-    # A dip to just above half of the best is not one.
-    assert curve([10, 16, 8.5, 14, 16]).collapse() is None
-    # Negative final returns (Acrobot) have no halving; an empty curve no final return.
-    assert curve([-500, -100, -400, -90]).collapse() is None
-    assert curve([]).collapse() is None
+def test_collapse_is_a_fall_below_half_the_gain_over_the_start():
+    # Start 1, best 17: a gain of 16, half of it lost below 9. 9 is not below, 8.8 is (and
+    # is above 17 / 2, where halving from zero would put it).
+    assert curve([1, 12, 17, 9, 8.8, 15, 20]).collapse() == (5, 17, 8.8)
+    # Start 10, best 16: the line is at 13.
+    assert curve([10, 16, 12.9, 14, 16]).collapse() == (3, 16, 12.9)
+    assert curve([10, 16, 13.1, 14, 16]).collapse() is None
+    # A dip before the best's gain is a tenth of the run's largest (50): the noise of a curve
+    # that has barely moved. At exactly a tenth it counts.
+    assert curve([0, 4, 1, 20, 50]).collapse() is None
+    assert curve([0, 5, 1, 20, 50]).collapse() == (3, 5, 1)
+    assert curve([4, 1, 6, 12, 18, 20]).collapse() is None  # below its start: nothing gained
+    # Negative returns fall as positive ones do (Acrobot: -100 is a gain of 400 over -500).
+    assert curve([-500, -100, -400, -90]).collapse() == (3, -100, -400)
+    # A curve that never rises above its start, a single point, no point: no fall.
+    assert curve([5, 4, 1, 3]).collapse() is None
+    assert curve([7]).collapse() is None and curve([]).collapse() is None
 
 
-def test_falls_are_counted_again_only_after_a_recovery_to_90_percent_of_the_best():
-    # Past half of 20 at 12, best 17: falls to 8, back to 16 (over 15.3), falls to 7.
+def test_an_early_dip_is_a_fall_though_the_curve_ends_far_above_it():
+    """MinAtar Breakout: the 100-episode mean rises to 15.2, drops to 3.0 and ends at 73.
+    Halving the best only once past half of the final value never saw the dip."""
+    breakout = curve([0.5, 8, 15.2, 3.0, 12, 30, 50, 73], every=100_000)
+    assert breakout.falls() == [(400_000, 15.2, 3.0)]
+    assert breakout.collapse() == (400_000, 15.2, 3.0)
+
+
+def test_a_negative_return_curve_falls_when_it_loses_half_its_gain():
+    """Pong starts near -21: from -20.5 to -5 is a gain of 15.5, and -16 leaves 4.5 of it,
+    below half; -12 would leave 8.5, above half."""
+    assert curve([-20.5, -15, -5, -16, 0, 10]).falls() == [(4, -5, -16)]
+    assert curve([-20.5, -15, -5, -12, 0, 10]).falls() == []
+
+
+def test_falls_are_counted_again_only_after_a_recovery_to_90_percent_of_the_gain():
+    # Start 1, best 17 (gain 16): falls to 8, back to 16 (gain 15, over 14.4), falls to 7.
     assert curve([1, 12, 17, 8, 16, 7, 20]).falls() == [(4, 17, 8), (6, 17, 7)]
-    # Back only to 9 between the two lows: one fall.
-    assert curve([1, 12, 17, 8, 9, 7, 20]).falls() == [(4, 17, 8)]
+    # Back only to 15.35 (gain 14.35, under 14.4, though over 90% of 17): one fall.
+    assert curve([1, 12, 17, 8, 15.35, 7, 20]).falls() == [(4, 17, 8)]
+    # From -20 to 0 (gain 20): back at -1 is 19 of it (over 18), at -3 only 17 (under).
+    assert curve([-20, 0, -15, -1, -16, 10]).falls() == [(3, 0, -15), (5, 0, -16)]
+    assert curve([-20, 0, -15, -3, -16, 10]).falls() == [(3, 0, -15)]
     assert curve([4, 1, 6, 12, 18, 20]).falls() == []
-    assert curve([-500, -100, -400, -90]).falls() == []
 
 
 def test_falls_pass_over_the_dip_after_a_resume_but_not_a_fall_that_lasts(tmp_path):
@@ -404,13 +433,17 @@ def test_falls_pass_over_the_dip_after_a_resume_but_not_a_fall_that_lasts(tmp_pa
 
 
 def test_table_row_names_the_seeds_that_collapsed():
-    spec = launch.RunSpec("MinAtar/Breakout-v1", "monobeast", 0, total_steps=7)
-    results = [launch.RunResult(spec, "done", steps=7, target=7)] * 3
-    curves = [curve([1, 12, 17, 9, 8, 15, 20]), curve([4, 1, 6, 12, 18, 20, 20]),
-              curve([2, 10, 4, 4, 9, 10, 10])]
+    spec = launch.RunSpec("MinAtar/Breakout-v1", "monobeast", 0, total_steps=700_000)
+    results = [launch.RunResult(spec, "done", steps=700_000, target=700_000)] * 4
+    k = 100_000
+    curves = [curve([1, 12, 17, 8, 16, 7, 20], k),  # two falls
+              curve([4, 1, 6, 12, 18, 20, 20], k),  # none: its dip is below its start
+              curve([0.5, 8, 15.2, 3.0, 12, 30, 73], k),  # an early dip
+              curve([-20.5, -15, -5, -16, 0, 10, 10], k)]  # negative returns
     row = learn.table_row("monobeast", results, curves, None)
-    assert cell(row, "collapses") == "2 (17.0 to 8.0 at 0.00M, 10.0 to 4.0 at 0.00M)"
-    assert cell(row, "falls") == "2, 0.7 a run (2 of 3 seeds)"
+    assert cell(row, "collapses") == (
+        "3 (17.0 to 8.0 at 0.40M, 15.2 to 3.0 at 0.40M, -5.0 to -16.0 at 0.40M)")
+    assert cell(row, "falls") == "4, 1.0 a run (3 of 4 seeds)"
 
 
 def test_turned_deterministic_counts_each_time_the_entropy_falls_below_the_threshold():
@@ -501,14 +534,28 @@ def test_report_gives_each_row_against_the_first_seed_for_seed():
     first = {0: curve([1, 10]), 1: curve([1, 20]), 2: curve([1, 30])}
     # Seed 2 is higher, seeds 0 and 1 lower; seed 3 has no partner in the first row.
     second = {0: curve([1, 8]), 1: curve([1, 14]), 2: curve([1, 35]), 3: curve([1, 5])}
-    second[0].test_returns = [1.0]  # only one side tested: no test-return line
+    second[0].test_returns = {"greedy": [1.0]}  # only one side tested: no test-return part
     lines = learn.difference_lines(["a", "b, other"], {"a": first, "b, other": second})
     t = learn.welch([8, 14, 35, 5], [10, 20, 30])[1]
+    final = (f"final return -4.50 (Welch t {t:.1f}, "
+             f"{learn.welch([8, 14, 35, 5], [10, 20, 30])[2]:.1f} df; "
+             "higher in 1 of 3 seeds, seed for seed)")
     assert lines[0] == "Against `a` (the first row):"
-    assert lines[1] == (f"- `b, other`: final return -4.50 (Welch t {t:.1f}, "
-                        f"{learn.welch([8, 14, 35, 5], [10, 20, 30])[2]:.1f} df; "
-                        "higher in 1 of 3 seeds, seed for seed)")
+    assert lines[1] == f"- `b, other`: {final}"
     assert learn.difference_lines(["a"], {"a": first}) == []
+    # Both sides tested: the checkpoint's sampled and greedy returns are set side by side too,
+    # each from its own policy's returns.
+    for seed, (sampled, greedy) in enumerate([(2.0, 9.0), (4.0, 9.5), (6.0, 10.0)]):
+        first[seed].test_returns = {"sample": [sampled], "greedy": [greedy]}
+        second[seed].test_returns = {"sample": [sampled + 1], "greedy": [greedy - 2 * seed]}
+    lines = learn.difference_lines(["a", "b, other"], {"a": first, "b, other": second})
+    sampled = learn.welch([3, 5, 7], [2, 4, 6])
+    greedy = learn.welch([9, 7.5, 6], [9, 9.5, 10])
+    assert lines[1] == (f"- `b, other`: {final}; checkpoint sampled return +1.00 "
+                        f"(Welch t {sampled[1]:.1f}, {sampled[2]:.1f} df; higher in 3 of 3 "
+                        f"seeds, seed for seed); checkpoint greedy return -2.00 (Welch t "
+                        f"{greedy[1]:.1f}, {greedy[2]:.1f} df; higher in 0 of 3 seeds, seed "
+                        "for seed)")
 
 
 def test_two_rank_variant_starts_polybeast_under_torchrun():
@@ -519,28 +566,58 @@ def test_two_rank_variant_starts_polybeast_under_torchrun():
     assert command[6] == "polybeast" and "--total_steps" in command
     assert spec.xpid == "CartPole-v1-polybeast-2ranks-s3"
     # Its test plays on one process: --mode test refuses torchrun.
-    assert learn.test_command(spec, "/runs", 5)[1:] == [
+    assert learn.test_command(spec, "/runs", 5, "sample")[1:] == [
         "-m", "polybeast", "--mode", "test", "--savedir", "/runs", "--xpid", spec.xpid,
-        "--test_episodes", "5", "--eval_policy", "greedy"]
+        "--test_episodes", "5", "--eval_policy", "sample"]
 
 
 def test_a_run_is_tested_again_only_for_a_later_checkpoint_or_more_episodes(tmp_path):
+    """Each policy on its own: a finished run needs a sampled and a greedy test of its final
+    checkpoint with at least --test_episodes episodes each."""
     spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=1000)
     path = launch.run_dir(spec, str(tmp_path))
     os.makedirs(path)
     done = launch.RunResult(spec, "done", steps=1000, target=1000)
-    assert learn.needs_test(done, str(tmp_path), 5)
-    assert not learn.needs_test(done, str(tmp_path), 0)
+    needs = lambda policy, episodes=5: learn.needs_test(done, str(tmp_path), episodes, policy)
+    assert needs("sample") and needs("greedy")
+    assert not needs("sample", 0) and not needs("greedy", 0)
     assert not learn.needs_test(launch.RunResult(spec, "stopped", steps=500, target=1000),
-                                str(tmp_path), 5)  # unfinished: its checkpoint is not final
+                                str(tmp_path), 5, "greedy")  # unfinished: not its final one
     tests = os.path.join(path, "tests.jsonl")
     runlog.record_test(tests, 500, "greedy", 1, [1.0] * 5)  # an earlier checkpoint
-    runlog.record_test(tests, 1000, "sample", 1, [1.0] * 5)  # not greedy
-    assert learn.needs_test(done, str(tmp_path), 5)
-    runlog.record_test(tests, 1000, "greedy", 1, [2.0, 4.0, 6.0])
-    assert learn.needs_test(done, str(tmp_path), 5) and not learn.needs_test(done, str(tmp_path), 3)
+    runlog.record_test(tests, 1000, "sample", 1, [1.0] * 5)
+    assert not needs("sample") and needs("sample", 6) and needs("greedy")
+    runlog.record_test(tests, 1000, "greedy", 1, [1.0] * 5)
+    runlog.record_test(tests, 1000, "greedy", 1, [2.0, 4.0, 6.0])  # fewer, but the latest
+    assert not needs("greedy") and needs("greedy", 6)
     with open(tests, "a") as f:
         f.write('{"time": 1, "step": 10')  # a torn last line is left out
     curve = learn.read_curve(str(write_logs(tmp_path / spec.xpid, [(1.0, 1000, 3.0)])))
-    assert curve.test_returns == [2.0, 4.0, 6.0] and curve.test_return == 4.0
-    assert curve.test_step == 1000
+    # The report reads the latest test of each policy at the furthest checkpoint.
+    assert curve.test_returns == {"sample": [1.0] * 5, "greedy": [2.0, 4.0, 6.0]}
+    assert curve.test_return("greedy") == 4.0 and curve.test_return("sample") == 1.0
+    assert curve.test_steps == {"sample": 1000, "greedy": 1000}
+
+
+def test_checkpoint_columns_sit_beside_the_final_return_and_read_old_greedy_only_tests(
+        tmp_path):
+    """Runs tested before sampled tests existed have only greedy records: their sampled
+    cell says n/a."""
+    header = learn.TABLE_HEADER
+    final = header.index("final return (mean ± std)")
+    assert header[final + 1:final + 3] == ["checkpoint, sampled (mean ± std over seeds)",
+                                           "checkpoint, greedy"]
+    curves = []
+    for seed, greedy in enumerate(([10.0, 20.0], [30.0, 40.0])):
+        run = write_logs(tmp_path / f"s{seed}", [(1.0, 1000, 3.0)])
+        runlog.record_test(str(run / "tests.jsonl"), 1000, "greedy", 1, greedy)
+        curves.append(learn.read_curve(str(run)))
+    spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=1000)
+    results = [launch.RunResult(spec, "done", steps=1000, target=1000)] * 3
+    row = learn.table_row("monobeast", results, curves + [None], None)
+    assert cell(row, "checkpoint, sampled (mean ± std over seeds)") == "n/a"
+    assert cell(row, "checkpoint, greedy") == "25.00 ± 14.14 (2 seeds x 2 episodes)"
+    curves[0].test_returns["sample"] = [1.0, 2.0, 3.0]
+    row = learn.table_row("monobeast", results, curves, None)
+    assert cell(row, "checkpoint, sampled (mean ± std over seeds)") == (
+        "2.00 (1 seeds x 3 episodes)")
