@@ -27,41 +27,85 @@ def checked(env_output, env_id):
 
 
 def play_episodes(flags, model, num_episodes, seed, video_paths=()):
-    """Plays whole games with `model` on a fresh environment; returns their returns.
+    """Plays whole games with `model` on fresh environments; returns their returns.
 
     With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
     of the policy), as TorchBeast's test mode does; with sample, in train mode.
-    video_paths: MP4 files for the screens of the first games (beast/video.py).
+    Up to --eval_envs environments play at once, one forward pass for all of them. Each
+    plays a share of the games fixed before any starts (game_shares): taking the first games
+    to end would favour the short ones, and in most games a short game is a poor one.
+    Returns are in environment order (the first environment's games first).
+    video_paths: MP4 files for the screens of the first games in that order.
     A game longer than --eval_max_steps is stopped there and counts with its return so far,
     with a warning: a greedy policy can play some games without end (MinAtar's have no time
     limit), and an evaluation that never ends would never be logged.
     """
-    env = envs.RolloutAdapter(video.create_env(flags, video_paths), seed=seed)
+    shares = game_shares(num_episodes, flags.eval_envs)
+    firsts = np.cumsum([0] + shares)  # the place of each environment's first game
+    games = [envs.RolloutAdapter(video.create_env(flags, video_paths[first:first + share]),
+                                 seed=env_seed(seed, i))
+             for i, (first, share) in enumerate(zip(firsts, shares))]
     model.train(flags.eval_policy == "sample")
-    max_steps = flags.eval_max_steps
-    returns = []
+    returns = [[] for _ in games]
     try:
-        env_output = checked(env.initial(), flags.env)
-        state = model.initial_state(1)
-        while len(returns) < num_episodes:
-            inputs = {k: torch.as_tensor(np.asarray(v)).view(1, 1, *np.shape(v))
-                      for k, v in env_output.items()}
-            with torch.no_grad():
-                output, state = model(inputs, state)
-            # An int64, or float32 [A].
-            env_output = checked(env.step(output["action"][0, 0].numpy()), flags.env)
-            if env_output["game_over"]:
-                returns.append(float(env_output["episode_return"]))
-            elif 0 < max_steps <= env_output["episode_step"]:
-                returns.append(float(env_output["episode_return"]))
-                print(f"warning: game {len(returns)} stopped at --eval_max_steps "
-                      f"{max_steps:,}, with a return of {returns[-1]:g} so far.",
-                      file=sys.stderr)
-                env_output = checked(env.initial(), flags.env)
-                state = model.initial_state(1)
+        outputs = [checked(game.initial(), flags.env) for game in games]
+        states = [model.initial_state(1) for _ in games]
+        while playing := [i for i, share in enumerate(shares) if len(returns[i]) < share]:
+            actions = act_together(model, [outputs[i] for i in playing],
+                                   [states[i] for i in playing])
+            for i, (action, state) in zip(playing, actions):
+                states[i] = state
+                outputs[i] = checked(games[i].step(action), flags.env)
+                if end_of_game(flags, outputs[i], returns[i]):
+                    outputs[i] = checked(games[i].initial(), flags.env)
+                    states[i] = model.initial_state(1)
     finally:
-        env.close()
-    return returns
+        for game in games:
+            game.close()
+    return [r for env_returns in returns for r in env_returns]
+
+
+def game_shares(num_episodes, max_envs):
+    """How many games each environment plays: num_episodes spread over at most max_envs,
+    as evenly as they go (the first ones one more)."""
+    num_envs = max(1, min(num_episodes, max_envs))
+    return [num_episodes // num_envs + (i < num_episodes % num_envs) for i in range(num_envs)]
+
+
+def env_seed(seed, index):
+    """The seed of evaluation environment `index`: `seed` for the first, for the others a
+    seed drawn from (seed, index), so that evaluations with nearby seeds share no game."""
+    if index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
+
+
+def act_together(model, env_outputs, states):
+    """One forward pass over several environments: [(action, core state)] of each.
+    env_outputs: one step's dict each; states: each environment's core state ([L, 1, H]
+    tensors, or () without a core)."""
+    inputs = {k: torch.as_tensor(np.stack([np.asarray(o[k]) for o in env_outputs]))[None]
+              for k in env_outputs[0]}
+    joined = tuple(torch.cat(parts, dim=1) for parts in zip(*states))
+    with torch.no_grad():
+        output, joined = model(inputs, joined)
+    actions = output["action"][0].numpy()  # an int64 each, or float32 [A]
+    return [(actions[b], tuple(s[:, b:b + 1] for s in joined)) for b in range(len(states))]
+
+
+def end_of_game(flags, env_output, returns):
+    """Whether this step ends the game: at game over, or at --eval_max_steps (with a
+    warning); its return is then appended to `returns`."""
+    max_steps = flags.eval_max_steps
+    if env_output["game_over"]:
+        returns.append(float(env_output["episode_return"]))
+        return False  # the adapter starts the next game itself
+    if 0 < max_steps <= env_output["episode_step"]:
+        returns.append(float(env_output["episode_return"]))
+        print(f"warning: a game stopped at --eval_max_steps {max_steps:,}, with a return "
+              f"of {returns[-1]:g} so far.", file=sys.stderr)
+        return True
+    return False
 
 
 class Evaluator:

@@ -476,6 +476,10 @@ def _add_logging_flags(group):
     group.add_argument("--eval_episodes", type=Number(int, low=1), default=5,
                        help="Episodes per offline evaluation (to evaluate never, leave "
                             "--eval_interval_steps at 0).")
+    group.add_argument("--eval_envs", type=Number(int, low=1), default=8,
+                       help="Environments that offline evaluation and --mode test play at "
+                            "once, one forward pass for all; each plays a share of the games "
+                            "fixed before any starts, so short games are not favoured.")
     group.add_argument("--eval_policy", default="greedy", choices=["greedy", "sample"],
                        help="How offline evaluation and --mode test act: the argmax of the "
                             "policy (as TorchBeast's test mode; a Gaussian policy's mean), or "

@@ -323,3 +323,27 @@ def test_a_refused_run_writes_nothing(tmp_path, variant):
     assert "--model atari needs image observations" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs" / "refused").exists()
+
+
+def test_games_are_shared_out_before_any_starts():
+    assert evaluation.game_shares(10, 8) == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert evaluation.game_shares(3, 8) == [1, 1, 1]
+    assert evaluation.game_shares(100, 1) == [100]
+    assert sum(evaluation.game_shares(101, 8)) == 101
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_games_played_together_are_the_games_each_environment_plays_alone(use_lstm):
+    """Several environments in one forward pass play, game for game, what each plays alone
+    with its own seed (the one-environment path is the reference): the core state and the
+    actions of each environment stay its own. Greedy, so no sampling differs."""
+    torch.manual_seed(0)
+    model = models.MLP((4,), 2, hidden_size=8, use_lstm=use_lstm)
+    flags = flag_helpers.make_flags(env="CartPole-v1", eval_policy="greedy", eval_envs=3)
+    together = evaluation.play_episodes(flags, model, num_episodes=7, seed=11)
+    flags.eval_envs = 1
+    alone = []
+    for index, share in enumerate(evaluation.game_shares(7, 3)):
+        alone += evaluation.play_episodes(flags, model, share, evaluation.env_seed(11, index))
+    assert len(together) == 7 and together == alone
+    assert len(set(together)) > 1  # the environments' games differ: the test can tell
