@@ -57,8 +57,9 @@ def _image_shape(observation_shape, model):
 def _as_float(x):
     """An observation tensor as float32; uint8 pixels scaled to [0, 1]."""
     if x.dtype == torch.uint8:
-        # Frames travel as uint8 to keep buffers and messages 4x smaller.
-        return x.float() / 255.0
+        # Frames travel as uint8 to keep buffers and messages 4x smaller. In place: a
+        # learner's batch of Atari frames is large enough for a second copy to cost.
+        return x.float().mul_(1.0 / 255.0)
     return x.float()
 
 
