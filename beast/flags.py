@@ -406,9 +406,9 @@ def _add_learner_flags(group):
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")
     group.add_argument("--num_torch_threads", type=Number(int, low=1), default=None,
-                       help="Intra-op threads of the learner process (default: all "
-                            "cores; PolyBeast with local servers: all cores on Atari, else "
-                            "cores - num_actors, at least 1).")
+                       help="Intra-op threads of the learner process (default: the "
+                            "cores the actors leave, cores - num_actors, at least 1, in "
+                            "MonoBeast and in PolyBeast with local servers; else all cores).")
 
 
 def _add_loss_flags(group):

@@ -620,3 +620,18 @@ def test_minatar_trains_with_the_small_net(tmp_path):
     state = torch.load(tmp_path / "small" / "model.tar", weights_only=False)["model_state_dict"]
     assert tuple(state["conv.weight"].shape) == (16, 4, 3, 3)
     assert tuple(state["fc.weight"].shape) == (128, 16 * 8 * 8)
+
+
+@pytest.mark.parametrize("typed, mode, expected", [
+    ([], "train", 6), (["--num_actors", "10"], "train", 1),
+    (["--num_torch_threads", "3"], "train", 3), (["--num_actors", "0"], "train", None),
+    ([], "test", None)])
+def test_the_learner_takes_the_cores_the_actors_leave(monkeypatch, typed, mode, expected):
+    """MonoBeast's learner threads default to cores - num_actors (at least 1) while training;
+    a typed value stays, and serial mode and --mode test keep all cores (None here: the
+    common default fills it later)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    flags = monobeast.make_parser().parse_args(["--mode", mode, *typed])
+    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
+    monobeast.check_flags(flags, {"kind": "atari"})
+    assert flags.num_torch_threads == expected

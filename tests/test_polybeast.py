@@ -925,11 +925,9 @@ def test_minatar_trains(tmp_path):
     assert last_step(tmp_path / "runs" / "run") >= 2000
 
 
-def test_learner_threads_with_local_servers_by_kind(monkeypatch):
-    """Atari's learner step is what a run waits for: all cores, as MonoBeast. Elsewhere the
-    servers keep a core each (at least one thread is left for the learner)."""
+def test_learner_threads_with_local_servers_are_the_cores_they_leave(monkeypatch):
+    """The servers keep a core each; at least one thread is left for the learner."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert polybeast.local_torch_threads("atari", 4) == 8
-    for kind in ("image", "vector", "continuous"):
-        assert polybeast.local_torch_threads(kind, 4) == 4
-        assert polybeast.local_torch_threads(kind, 8) == 1
+    assert polybeast.local_torch_threads(4) == 4
+    assert polybeast.local_torch_threads(8) == 1
+    assert polybeast.local_torch_threads(12) == 1
