@@ -56,7 +56,7 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
             for i, (action, state) in zip(playing, actions):
                 states[i] = state
                 outputs[i] = checked(games[i].step(action), flags.env)
-                if end_of_game(flags, outputs[i], returns[i]):
+                if record_game_end(flags, outputs[i], returns[i]):
                     outputs[i] = checked(games[i].initial(), flags.env)
                     states[i] = model.initial_state(1)
     finally:
@@ -93,13 +93,14 @@ def act_together(model, env_outputs, states):
     return [(actions[b], tuple(s[:, b:b + 1] for s in joined)) for b in range(len(states))]
 
 
-def end_of_game(flags, env_output, returns):
-    """Whether this step ends the game: at game over, or at --eval_max_steps (with a
-    warning); its return is then appended to `returns`."""
+def record_game_end(flags, env_output, returns):
+    """Appends the return of a game that this step ends, at game over or at --eval_max_steps
+    (with a warning). Returns True for a game stopped at --eval_max_steps, which the caller
+    starts afresh; after a game over the adapter starts the next game itself."""
     max_steps = flags.eval_max_steps
     if env_output["game_over"]:
         returns.append(float(env_output["episode_return"]))
-        return False  # the adapter starts the next game itself
+        return False
     if 0 < max_steps <= env_output["episode_step"]:
         returns.append(float(env_output["episode_return"]))
         print(f"warning: a game stopped at --eval_max_steps {max_steps:,}, with a return "
