@@ -180,7 +180,9 @@ class Curve:
         A fall counts only once peak - start is at least FALL_MIN_GAIN of the run's largest
         gain (its highest value - start): below that, the curve has barely moved, and its
         noise is no fall. After a fall, the next one counts only once the curve is back at
-        FALL_REARM of the peak's gain. A curve that never rises above its start has none. The
+        FALL_REARM of the peak's gain. A curve whose largest gain is below FALL_MIN_MOVE of its
+        start's size has not moved, and has none: a policy that has not started, wobbling at
+        Pong's -20.5, would otherwise fall at every wobble. The
         rows of a resume's settling are passed over, the start among them: a fall that lasts
         beyond them is still found in the rows after.
         """
@@ -190,8 +192,8 @@ class Curve:
             return []
         start = points[0][1]
         largest_gain = max(value for _, value in points) - start
-        if not largest_gain > 0:
-            return []
+        if not largest_gain > FALL_MIN_MOVE * abs(start):
+            return []  # it has not moved: Pong's wobble at -20.5 is no fall
         found, peak, armed = [], start, True
         for step, value in points[1:]:
             gain = peak - start
@@ -229,6 +231,9 @@ class Curve:
 # the next fall a recovery to FALL_REARM of the peak's gain: Curve.falls.
 FALL_MIN_GAIN = 0.1
 FALL_REARM = 0.9
+# A curve whose largest gain over its start is below this share of the start's size has not
+# moved, and has no falls.
+FALL_MIN_MOVE = 0.1
 
 # Below 0.01 nats a step, a policy plays one action with probability above 0.999 in nearly
 # every state. The collapsed SpaceInvaders runs fell to 1e-3-1e-15 and their return to 0;
@@ -813,7 +818,9 @@ HOW_TO_READ = (
     "Falls: each time a seed's 100-episode mean lost half of what it had gained over its "
     "start (its first value): below start + (best - start) / 2, counted once best - start is "
     f"at least {FALL_MIN_GAIN:.0%} of the run's largest gain (before that the curve has "
-    "barely moved), and again only after the curve is back at "
+    "barely moved; a curve whose largest gain is under "
+    f"{FALL_MIN_MOVE:.0%} of its start's size has none), and again only after the curve is "
+    "back at "
     f"{FALL_REARM:.0%} of its best's gain; measured from the start, it counts negative "
     "returns and early dips alike; the total, the mean per seed, and the seeds with at least "
     "one. Collapses: the seeds with a fall, each with its first (from the best to the low, "

@@ -387,6 +387,14 @@ def test_a_negative_return_curve_falls_when_it_loses_half_its_gain():
     assert curve([-20.5, -15, -5, -12, 0, 10]).falls() == []
 
 
+def test_a_curve_that_has_not_moved_has_no_falls():
+    """Pong before it starts wobbles by a few tenths around -20.5: its largest gain (0.4) is
+    below a tenth of its start's size, so no wobble is a fall; a curve starting at 0 that
+    gains anything can fall."""
+    assert curve([-20.5, -20.1, -20.9, -20.2, -20.8]).falls() == []
+    assert curve([0, 0.4, 0.1, 0.5]).falls() == [(3, 0.4, 0.1)]
+
+
 def test_falls_are_counted_again_only_after_a_recovery_to_90_percent_of_the_gain():
     # Start 1, best 17 (gain 16): falls to 8, back to 16 (gain 15, over 14.4), falls to 7.
     assert curve([1, 12, 17, 8, 16, 7, 20]).falls() == [(4, 17, 8), (6, 17, 7)]
