@@ -244,10 +244,7 @@ def check_flags(flags, info):
     if flags.envs_per_actor is None:
         flags.envs_per_actor = ENVS_PER_ACTOR[info["kind"]]
     if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":
-        # The cores the actors leave: an intra-op thread that shares a core with an actor
-        # stalls every parallel op of the learner at its barrier.
-        flags.num_torch_threads = max(1, beast_flags.default_num_torch_threads()
-                                      - flags.num_actors)
+        flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
     scheduled = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,

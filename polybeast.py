@@ -224,14 +224,6 @@ def learner_queue_size(flags):
     return flags.max_learner_queue_size
 
 
-def local_torch_threads(num_servers):
-    """Intra-op threads of the learner process when it starts its own env servers: the
-    cores the servers leave, at least 1. An OpenMP thread that shares a core with a server
-    stalls every parallel op at its barrier, the learner step's and inference's alike.
-    """
-    return max(1, beast_flags.default_num_torch_threads() - num_servers)
-
-
 def check_flags(flags, info):
     """PolyBeast's own env-dependent flags; returns the problems found.
 
@@ -247,7 +239,7 @@ def check_flags(flags, info):
         return problems  # --mode test plays locally: no servers, no queues.
     problems += _check_servers(flags) or _check_tls(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
-        flags.num_torch_threads = local_torch_threads(flags.num_actors)
+        flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
     if learner_queue_size(flags) < flags.batch_size:
         # The queue hands out batch_size rollouts at once: a shorter one never fills.
         problems.append(f"--max_learner_queue_size ({flags.max_learner_queue_size}) must be at "

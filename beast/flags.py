@@ -607,8 +607,11 @@ def resolve_precisions(flags, device_type, cpu_bf16=None):
     return {name: {"value": getattr(flags, name), "why": why[name]} for name in why}
 
 
-def default_num_torch_threads():
-    return max(1, machine.cores())
+def default_num_torch_threads(busy=0):
+    """The learner's intra-op threads: the cores that `busy` processes beside it (actors,
+    local env servers) leave, at least 1. An OpenMP thread that shares a core with one of
+    them stalls every parallel op of the learner at its barrier."""
+    return max(1, machine.cores() - busy)
 
 
 def explicit_flags(parser, argv):

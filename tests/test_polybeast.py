@@ -928,6 +928,9 @@ def test_minatar_trains(tmp_path):
 def test_learner_threads_with_local_servers_are_the_cores_they_leave(monkeypatch):
     """The servers keep a core each; at least one thread is left for the learner."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert polybeast.local_torch_threads(4) == 4
-    assert polybeast.local_torch_threads(8) == 1
-    assert polybeast.local_torch_threads(12) == 1
+    assert polybeast.beast_flags.default_num_torch_threads() == 8
+    assert polybeast.beast_flags.default_num_torch_threads(4) == 4
+    assert polybeast.beast_flags.default_num_torch_threads(8) == 1
+    assert polybeast.beast_flags.default_num_torch_threads(12) == 1
+
+
