@@ -823,7 +823,7 @@ def run_acting_process(flags, schema, models, addresses, slots, free_reader, ful
         while not stopping.value and os.getppid() == parent:
             time.sleep(0.1)
             error_count.value = actor_pool.env_errors()
-            failure = _failure(errors, threads)
+            failure = _failure(errors, threads, stopping)
             if failure is not None:
                 error_writer.send(failure)
                 return
@@ -837,9 +837,14 @@ def run_acting_process(flags, schema, models, addresses, slots, free_reader, ful
         gc.collect()
 
 
-def _failure(errors, threads):
+def _failure(errors, threads, stopping):
     """(is a UserError, message) for the first thread that failed or ended; else None."""
     ended = [t.name for t in threads if not t.is_alive()]
+    if ended and stopping.value:
+        # fill-slots ends once the learner asks the process to stop, which may happen during
+        # the sleep before this check: the actor pool is still running, and waiting for it
+        # here would hold the stop up until JOIN_TIMEOUT_S and the learner's kill.
+        return None
     if ended:
         # An actor pool that fails closes the queues, which ends the other threads before
         # its own (it joins its actors first): wait for it, threads[0], to say why.
