@@ -7,8 +7,16 @@ import subprocess
 import tempfile
 import time
 
-import pytest
-import torch
+# The slow tier's workers share the cores with the processes their tests start (learners,
+# actors, env servers), so a core is rarely free. An OpenMP thread that spins waiting for its
+# peer then holds each parallel op (tanh, softmax, ...) up for a whole scheduler slice while
+# the peer waits for a core: a serial-mode run slowed to a crawl. Passive waiting gives the
+# core back at once; it changes the speed only. Children inherit it, and this process reads
+# it when torch (below) loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Some tests talk to our servers through grpcio, Python's gRPC (an independent client and
 # TorchBeast's reference server), and later tests fork in the same process: MonoBeast's actor
