@@ -22,13 +22,14 @@ MonoBeast's shared buffers, the vector envs' output arrays, PolyBeast's
 required env keys and the learner's check of each batch all derive from it;
 the C++ extension moves whatever named arrays arrive without knowing names.
 
-Only numpy and torch are imported.
+Only numpy is imported at the top; torch is imported by the functions that make tensors
+(torch_module), so that an env server, which uses the schema's fields but no tensors, starts
+without loading torch.
 """
 
 import dataclasses
 
 import numpy as np
-import torch
 
 ENV = "env"
 AGENT = "agent"
@@ -40,6 +41,13 @@ NUM_ACTIONS = "num_actions"
 # fields and model outputs have no "/", declared_fields refuses the prefix), so an entry
 # called "reward" or "steps" cannot collide with the field of that name.
 OBSERVATION_PREFIX = "frame/"
+
+
+def torch_module():
+    """torch, imported on first use (see the module's docstring)."""
+    import torch
+
+    return torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +80,7 @@ class Field:
 
     @property
     def torch_dtype(self):
-        return torch.from_numpy(np.zeros(0, dtype=self.dtype)).dtype
+        return torch_module().from_numpy(np.zeros(0, dtype=self.dtype)).dtype
 
 
 CORE_FIELDS = (
@@ -198,6 +206,7 @@ def agent_fields(model, env_fields):
     The probe runs one [T=1, B=1] step without a gradient and leaves the global
     RNG as it was, so seeded runs do not change because of it.
     """
+    torch = torch_module()
     inputs = {f.name: torch.zeros((1, 1) + f.shape, dtype=f.torch_dtype) for f in env_fields}
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -271,6 +280,7 @@ class Schema:
     def shared_zeros(self, leading_shape):
         """A dict of zero tensors [*leading_shape, *shape] in shared memory, one per field:
         MonoBeast's buffers, PolyBeast's batch slots."""
+        torch = torch_module()
         return {n: torch.zeros(tuple(leading_shape) + f.shape, dtype=f.torch_dtype).share_memory_()
                 for n, f in self.fields.items()}
 
@@ -288,8 +298,8 @@ class Schema:
             if value is None:
                 raise ValueError(f"{where}: the rollout field {name!r} is missing")
             dtype = value.dtype
-            if isinstance(dtype, torch.dtype):
-                dtype = torch.empty(0, dtype=dtype).numpy().dtype
+            if not isinstance(dtype, np.dtype):  # a tensor's
+                dtype = torch_module().empty(0, dtype=dtype).numpy().dtype
             if dtype != f.dtype or tuple(value.shape[leading_dims:]) != f.shape:
                 raise ValueError(f"{where}: rollout field {name!r} is {dtype} "
                                  f"{tuple(value.shape[leading_dims:])} per step; the run expects "
@@ -299,7 +309,7 @@ class Schema:
 def select_batch(buffers, state_buffers, indices):
     """Copies the rollouts of buffers `indices` (B of them, in this order) out of shared
     memory: (batch dict of [T+1, B, ...] tensors, core state tuple of [L, B, H] tensors)."""
-    index = torch.tensor(indices)
+    index = torch_module().tensor(indices)
     batch = {k: v.index_select(1, index) for k, v in buffers.items()}
     state = tuple(s.index_select(0, index).transpose(0, 1).contiguous() for s in state_buffers)
     return batch, state

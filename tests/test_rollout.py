@@ -8,6 +8,10 @@ this test: the model and a loss term that records the batch are patched in.
 """
 
 
+import os
+import subprocess
+import sys
+
 import gymnasium
 import numpy as np
 import pytest
@@ -164,3 +168,22 @@ def test_fields_are_declared_by_any_wrapper_and_required_in_step():
         adapter.step(0)  # declared but not in step's info
     with pytest.raises(ValueError, match="lives"):
         rollout.declared_fields(Declares(Declares(env)))  # declared twice
+
+
+
+def test_an_env_server_steps_its_environments_without_torch():
+    """What an env server runs (polybeast_env's EnvFactory: one environment or a vector env
+    per stream, and the schema's fields) never imports torch, so that each server process
+    starts without loading it."""
+    code = ("import sys, polybeast_env\n"
+            "flags = polybeast_env.make_parser().parse_args(['--env', 'CartPole-v1'])\n"
+            "polybeast_env.resolve_env_flags(flags)\n"
+            "for num_envs in (1, 4):\n"
+            "    env = polybeast_env.EnvFactory(flags, 0)(num_envs)\n"
+            "    env.initial()\n"
+            "    env.step([0] * num_envs if num_envs > 1 else 0)\n"
+            "sys.exit(3 if 'torch' in sys.modules else 0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode != 3, "an env server imported torch"
+    assert result.returncode == 0, result.stderr
