@@ -16,6 +16,7 @@ The run around the actors (flags, run directory, learner, logs, checkpoints, res
 evaluation, --mode test) is beast/training.py, which PolyBeast shares.
 """
 
+import functools
 import argparse
 import os
 import queue
@@ -412,8 +413,7 @@ VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
                            acting_model=acting_model, train_loop=train_loop)
 
 
-def main(argv=None):
-    return training.main(VARIANT, argv)
+main = functools.partial(training.main, VARIANT)  # main(argv=None) -> exit code
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ beast/training.py.
 Run `python -m polybeast --help` for the flags.
 """
 
+import functools
 import argparse
 import contextlib
 import gc
@@ -952,8 +953,7 @@ VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
                            distributed=True)
 
 
-def main(argv=None):
-    return training.main(VARIANT, argv)
+main = functools.partial(training.main, VARIANT)  # main(argv=None) -> exit code
 
 
 if __name__ == "__main__":

@@ -448,7 +448,7 @@ class Learner:
         """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
 
         An update whose loss or gradient is not finite is skipped and counted
-        (skipped_in_a_row); Run.learn decides when that ends the run. Returns (step, None)
+        (skipped_in_a_row); Run.after_update decides when that ends the run. Returns (step, None)
         without an update once total_steps is reached (another learner thread got there
         first: with several ranks, an extra update would wait forever for the others).
         """

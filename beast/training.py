@@ -7,13 +7,13 @@ that is here, written once:
     main -> train(flags, variant)
               prepare_run: every flag checked, then the run directory; a resumed run's
                    flags and checkpoint
-              run_training: the model, then a Run: learner.Learner (model, optimizer,
+              start_run: the model, then a Run: learner.Learner (model, optimizer,
                    step counter), TrainingStats (episode returns, logs.csv every
                    --log_interval_steps), evaluation.Evaluator, the status line, checkpoints
-                 variant.train_loop(run, ...): actors -> batches -> run.learner_thread
+              variant.train_loop(run, ...): actors -> batches -> run.learner_thread
                    while the main thread runs run.supervise (stop requests,
                    errors, status, checkpoints, evaluation)
-                 the last checkpoint
+              the last checkpoint
          -> test(flags, variant): play --test_episodes with the checkpoint
 
 The operating system's part (signals, thread names, malloc) is in beast/system.py.
@@ -378,19 +378,8 @@ class Run:
         return self.learner.step >= self.flags.total_steps
 
     def learn(self, batch, initial_agent_state):
-        """One learner step on a batch [T+1, B, ...], with its stats and evaluation snapshot."""
-        step, stats = self.learner.update(batch, initial_agent_state)
-        if stats is None:
-            return  # total_steps reached
-        self.stats.record(step, stats, batch)
-        if self.learner.skipped_in_a_row >= self.flags.max_nonfinite_updates:
-            self.stats.log(step, stats)  # the row that shows why the run stops
-            raise UserError(
-                f"{self.learner.skipped_in_a_row} learner updates in a row had a loss or "
-                "gradient that is not finite; none reached the weights, and the checkpoint "
-                "keeps the last good ones. Look for infinite or NaN rewards or observations "
-                "from the environment, or lower --learning_rate.")
-        self.evaluator.snapshot_if_due(step, self.learner)
+        """One learner step on a batch [T+1, B, ...] (the serial and lockstep loops)."""
+        self.after_update(*self.learner.update(batch, initial_agent_state), batch)
 
     def learner_thread(self, batches):
         """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
@@ -404,7 +393,24 @@ class Run:
             if pair is None or self.done():
                 return
             self.stats.waited(time.monotonic() - start)
-            self.learn(*pair)
+            batch, initial_agent_state = pair
+            step, stats = self.learner.update(batch, initial_agent_state)
+            self.after_update(step, stats, batch)
+
+    def after_update(self, step, stats, batch):
+        """The step's stats recorded, its evaluation snapshot taken; a run of non-finite
+        updates ends the run. stats is None when no update was made (total_steps reached)."""
+        if stats is None:
+            return
+        self.stats.record(step, stats, batch)
+        if self.learner.skipped_in_a_row >= self.flags.max_nonfinite_updates:
+            self.stats.log(step, stats)  # the row that shows why the run stops
+            raise UserError(
+                f"{self.learner.skipped_in_a_row} learner updates in a row had a loss or "
+                "gradient that is not finite; none reached the weights, and the checkpoint "
+                "keeps the last good ones. Look for infinite or NaN rewards or observations "
+                "from the environment, or lower --learning_rate.")
+        self.evaluator.snapshot_if_due(step, self.learner)
 
     def housekeeping(self, env_errors=None):
         """Called often by the main thread: the status line, periodic checkpoints and
@@ -487,6 +493,7 @@ class Run:
 
 def train(flags, variant):
     """Trains with `variant`'s actors until --total_steps or a stop request; returns the Run.
+    The last checkpoint is written whatever ended it.
 
     Under torchrun, this process is one of several learner ranks (beast/distributed.py);
     when it ends with an error, its message goes to the others, which stop too.
@@ -495,9 +502,18 @@ def train(flags, variant):
     try:
         run_dir, info, checkpoint = prepare_run(flags, variant.check_flags, ranks)
         try:
-            run = run_training(flags, variant, ranks, run_dir, info, checkpoint)
+            stop = start_process(flags, info)
+            with variant.environments(flags) as environments, \
+                    open_logs(flags, ranks, run_dir, info, checkpoint) as logger:
+                run = start_run(flags, variant, ranks, run_dir, info, checkpoint, logger, stop)
+                try:
+                    variant.train_loop(run, run.learner.acting_model, environments)
+                    run.evaluator.run_pending(run.stats)  # the last snapshot, if not yet played
+                finally:
+                    run.close()
         finally:
             run_dir.unlock()  # the directory is free for a resume once this run has ended
+        report_end(run, ranks)
     except BaseException as e:
         ranks.ended(f"{type(e).__name__}: {e}".splitlines()[0])
         raise
@@ -521,9 +537,9 @@ def join_ranks(flags, variant):
         raise UserError(str(e)) from None
 
 
-def run_training(flags, variant, ranks, run_dir, info, checkpoint):
-    """Builds the model and the Run, starts the variant's actors (variant.train_loop) and
-    returns once they stop; the last checkpoint is written whatever ended it."""
+def start_process(flags, info):
+    """Seeds, threads and malloc set for training; returns the event that a SIGTERM or
+    Ctrl-C sets from now on (the finally blocks then stop whatever the variant started)."""
     # Atari's learner step frees a few hundred MB that it allocates again at the next step;
     # before the learner's threads start, which pick their malloc arena at their first
     # allocation.
@@ -532,29 +548,30 @@ def run_training(flags, variant, ranks, run_dir, info, checkpoint):
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
     torch.set_num_threads(flags.num_torch_threads)
-    # Before anything slow: a SIGTERM or Ctrl-C from now on stops the run through the
-    # finally blocks, which also stop whatever the variant started.
-    stop = system.install_signal_handlers()
-    with variant.environments(flags) as environments:
-        device = select_device(flags)  # after the servers' start: they boot meanwhile
-        if ranks.is_main:
-            runlog.write_metadata(run_dir, flags, dict(
-                world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
-                machine=machine.describe(device), precisions=info["precisions"]))
-        start_step = 0 if checkpoint is None else checkpoint["step"]
-        with (runlog.StatsLogger(run_dir, flags=flags, start_step=start_step) if ranks.is_main
-              else contextlib.nullcontext(RankLogger(ranks))) as logger:
-            model = models.to_learning_layout(build_model(flags, info).to(device))
-            acting_model = variant.acting_model(flags, info, model)
-            run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
-            if ranks.is_distributed:  # the same weights everywhere, each rank its own actions
-                torch.manual_seed(distributed.rank_seed(flags.seed, ranks.rank))
-            try:
-                variant.train_loop(run, acting_model, environments)
-                run.evaluator.run_pending(run.stats)  # the last snapshot, if training outran it
-            finally:
-                run.close()
-    report_end(run, ranks)
+    return system.install_signal_handlers()
+
+
+def open_logs(flags, ranks, run_dir, info, checkpoint):
+    """meta.json written, then the logger as a context manager: logs.csv on rank 0, a line
+    on stderr now and then on the other ranks."""
+    if not ranks.is_main:
+        return contextlib.nullcontext(RankLogger(ranks))
+    device = select_device(flags)  # after the servers' start: they boot meanwhile
+    runlog.write_metadata(run_dir, flags, dict(
+        world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
+        machine=machine.describe(device), precisions=info["precisions"]))
+    start_step = 0 if checkpoint is None else checkpoint["step"]
+    return runlog.StatsLogger(run_dir, flags=flags, start_step=start_step)
+
+
+def start_run(flags, variant, ranks, run_dir, info, checkpoint, logger, stop):
+    """The learner's model (restored from the checkpoint, if any), the acting model and the
+    Run that holds them."""
+    model = models.to_learning_layout(build_model(flags, info).to(select_device(flags)))
+    acting_model = variant.acting_model(flags, info, model)
+    run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
+    if ranks.is_distributed:  # the same weights everywhere, each rank its own actions
+        torch.manual_seed(distributed.rank_seed(flags.seed, ranks.rank))
     return run
 
 

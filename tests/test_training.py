@@ -77,12 +77,14 @@ def test_rows_say_how_long_the_learner_waited_for_batches(monkeypatch):
             clock[0] += wait  # the actors take this long to fill the batch
             yield wait, None
 
-    def learn(wait, _):
+    def update(wait, _):
         clock[0] += 1.0  # a learner step
         run.step += 50
-        stats.record(run.step, {}, no_games)
+        return run.step, {}
 
-    run = types.SimpleNamespace(flags=flags, stats=stats, learn=learn, step=100)
+    run = types.SimpleNamespace(flags=flags, stats=stats, step=100,
+                                learner=types.SimpleNamespace(update=update))
+    run.after_update = lambda step, step_stats, batch: stats.record(step, step_stats, no_games)
     run.done = lambda: run.step >= flags.total_steps
     training.Run.learner_thread(run, batches([3.0, 3.0, 0.0, 1.0, 5.0]))
     assert run.step == 300  # stopped at total_steps, the last batch left untaken
