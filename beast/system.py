@@ -75,7 +75,7 @@ def reuse_freed_memory():
     blocks are always mmapped), blocks up to 1 GiB from that heap, and no trimming of its
     top: the process stays at its peak size and reuses it. The price is one arena lock for
     every thread, which is why PolyBeast's inference runs in a process of its own, and why
-    only Atari learners call this (training.train): elsewhere the blocks are small. Linux
+    only Atari learners call this (training.start_process): elsewhere the blocks are small. Linux
     with glibc only; elsewhere, or if mallopt refuses, nothing changes."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
