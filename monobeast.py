@@ -16,8 +16,8 @@ The run around the actors (flags, run directory, learner, logs, checkpoints, res
 evaluation, --mode test) is beast/training.py, which PolyBeast shares.
 """
 
-import functools
 import argparse
+import functools
 import os
 import queue
 import signal

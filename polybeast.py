@@ -24,9 +24,9 @@ beast/training.py.
 Run `python -m polybeast --help` for the flags.
 """
 
-import functools
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import shutil
