@@ -170,7 +170,6 @@ def test_fields_are_declared_by_any_wrapper_and_required_in_step():
         rollout.declared_fields(Declares(Declares(env)))  # declared twice
 
 
-
 def test_an_env_server_steps_its_environments_without_torch():
     """What an env server runs (polybeast_env's EnvFactory: one environment or a vector env
     per stream, and the schema's fields) never imports torch, so that each server process
