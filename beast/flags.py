@@ -350,7 +350,9 @@ def add_common_flags(parser):
     add_env_flags(parser)
     _add_run_flags(parser.add_argument_group("run"))
     _add_learner_flags(parser.add_argument_group("learner"))
-    _add_loss_flags(parser.add_argument_group("model, loss and optimizer"))
+    group = parser.add_argument_group("model, loss and optimizer")
+    _add_loss_flags(group)
+    _add_optimizer_flags(group)
     _add_logging_flags(parser.add_argument_group("logging, checkpoints, evaluation"))
     return parser
 
@@ -431,6 +433,11 @@ def _add_loss_flags(group):
                             "advantage pushes towards adds no gradient (PPO's clip on "
                             "V-trace's advantages); 0: off, IMPALA's loss "
                             f"(default: {_env_default('pg_clip')}).")
+    group.add_argument("--normalize_advantages", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="Normalize the policy gradient's V-trace advantages over each batch "
+                            "(less their mean, over their standard deviation), as PPO does: "
+                            "the mean, common to every action taken, drops out of the step.")
     group.add_argument("--discounting", type=Number(float, 0, 1), default=None,
                        help=f"Discount factor (default: {_env_default('discounting')}).")
     group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
@@ -440,6 +447,9 @@ def _add_loss_flags(group):
                        help="Multiply rewards by this for learning, before --reward_clipping; "
                             "the logged returns stay the environment's "
                             f"(default: {_env_default('reward_scale')}).")
+
+
+def _add_optimizer_flags(group):
     # RMSprop, as in TorchBeast.
     group.add_argument("--learning_rate", type=Number(float, above=0), default=None,
                        help="Initial learning rate, decayed linearly to 0 at total_steps "
@@ -456,6 +466,12 @@ def _add_loss_flags(group):
                        help="RMSprop epsilon, added to the root of each parameter's running "
                             "mean square; it bounds the step of a parameter whose gradients "
                             f"were near zero (default: {_env_default('epsilon')}).")
+    group.add_argument("--epochs", type=Number(int, low=1), default=1,
+                       help="Updates per batch: the learner passes over each batch this many "
+                            "times, V-trace recomputed under its weights of the moment, as "
+                            "PPO's epochs reuse a batch; pair it with --pg_clip, which keeps "
+                            "the later passes from carrying the policy far from the one that "
+                            "acted; 1: IMPALA's one pass.")
     group.add_argument("--grad_norm_clipping", type=Number(float, above=0, infinite=True),
                        default=None,
                        help="Clip the global gradient norm (of the loss summed over T x B) "

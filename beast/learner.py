@@ -87,17 +87,36 @@ def gaussian_entropy(logstd):
 def pg_loss(flags, inputs):
     """Policy gradient: -sum_t log pi(a_t|x_t) * V-trace advantage_t.
 
+    With flags.normalize_advantages, the advantages are normalized over the batch first.
     With flags.pg_clip = eps > 0, a trust region around the policy that acted, as PPO's
     clipped objective draws it: a sample stops pushing once pi(a_t|x_t) / mu(a_t|x_t) has
     left [1 - eps, 1 + eps] on the side its advantage pushes towards, so a run of batches
     cannot carry an action's probability far from what the actors saw.
     """
     returns = inputs.vtrace_returns
-    advantages = returns.pg_advantages
+    advantages = policy_advantages(flags, returns)
     eps = flags.pg_clip
     if eps > 0:
         advantages = trust_region(advantages, returns.log_rhos, eps)
     return -(returns.target_action_log_probs * advantages).sum()
+
+
+def policy_advantages(flags, returns):
+    """V-trace's pg_advantages, normalized over the batch with flags.normalize_advantages."""
+    if flags.normalize_advantages:
+        return normalized(returns.pg_advantages)
+    return returns.pg_advantages
+
+
+def normalized(advantages):
+    """The advantages less their mean over the batch, over their standard deviation.
+
+    The batch's mean advantage is mostly the value's error of the moment, common to every
+    action taken; it pushes every sampled action up (or down) together, which moves the
+    policy without telling actions apart. Args and result: float32 [T, B], no gradient.
+    """
+    centred = advantages - advantages.mean()
+    return centred / (centred.std() + 1e-8)
 
 
 def outside_trust_region(advantages, log_rhos, eps):
@@ -209,7 +228,8 @@ def compute_loss(flags, learner_outputs, batch):
     """The V-trace actor-critic loss for one batch: the sum of LOSS_TERMS.
 
     Args:
-      flags: needs discounting, reward_clipping, reward_scale, pg_clip and whatever the
+      flags: needs discounting, reward_clipping, reward_scale, pg_clip,
+        normalize_advantages and whatever the
         terms read (baseline_cost, entropy_cost for the default ones).
       learner_outputs: dict of the learner's forward pass over the whole
         rollout: policy_logits float32 [T+1, B, A], baseline float32 [T+1, B];
@@ -251,7 +271,7 @@ def compute_loss(flags, learner_outputs, batch):
         # (pg_loss found the same mask; recomputing it costs a few elementwise ops on T x B).
         returns = inputs.vtrace_returns
         stats["pg_clipped"] = outside_trust_region(
-            returns.pg_advantages, returns.log_rhos, eps).float().mean()
+            policy_advantages(flags, returns), returns.log_rhos, eps).float().mean()
     return total_loss, stats
 
 
@@ -283,7 +303,7 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
       model: the learner's model (on the learner device); model(batch, state)
         returns (outputs dict of [T+1, B, ...] tensors, new core state).
       optimizer, scheduler: a torch optimizer over model's parameters and its
-        learning-rate scheduler, stepped once each.
+        learning-rate scheduler, stepped once each (scheduler None: the caller steps it).
       batch: rollout dict of tensors [T+1, B, ...] on the learner device.
       initial_agent_state: tuple of the core state before step 0 of each
         rollout (float32 [num_layers, B, hidden] each, or () without a core).
@@ -317,7 +337,8 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()  # the schedule follows environment steps, skipped or not
+    if scheduler is not None:
+        scheduler.step()  # the schedule follows environment steps, skipped or not
     stats["grad_norm"] = grad_norm
     stats["skipped_update"] = 0.0 if finite else 1.0
     return {k: float(v) for k, v in stats.items()}
@@ -456,8 +477,7 @@ class Learner:
             if self.step >= self.flags.total_steps:
                 return self.step, None
             average = self.ranks.average_gradients if self.ranks.is_distributed else None
-            stats = learn_step(self.flags, self.model, self.optimizer, self.scheduler,
-                               batch, initial_agent_state, average)
+            stats = self._passes(batch, initial_agent_state, average)
             steps_per_update = (self.flags.unroll_length * self.flags.batch_size *
                                 self.ranks.world_size)
             stats["policy_lag"] = policy_lag(batch, self.step, steps_per_update)
@@ -470,6 +490,25 @@ class Learner:
             stats["skipped_updates"] = self.skipped_updates
             stats["learning_rate"] = self.scheduler.get_last_lr()[0]
             return self.step, stats
+
+    def _passes(self, batch, initial_agent_state, average):
+        """flags.epochs updates on one batch; the stats of the last one made.
+
+        The schedule moves once per batch, so every pass takes the batch's learning rate. A
+        skipped (non-finite) update ends the passes: the next would start from the same
+        weights.
+        """
+        passes = self.flags.epochs
+        for done in range(1, passes + 1):
+            last = done == passes
+            stats = learn_step(self.flags, self.model, self.optimizer,
+                               self.scheduler if last else None, batch, initial_agent_state,
+                               average)
+            if stats["skipped_update"]:
+                if not last:
+                    self.scheduler.step()
+                break
+        return stats
 
     def _skipped(self, stats):
         self.skipped_updates += 1

@@ -307,6 +307,34 @@ def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
     assert "pg_clipped" not in learner.compute_loss(make_flags(), outputs, batch)[1]
 
 
+@pytest.mark.parametrize("pg_clip", [0.0, 0.5])
+def test_normalized_advantages_are_centred_and_scaled_over_the_batch(pg_clip):
+    """--normalize_advantages: the policy gradient weighs log pi(a_t) with the reference's
+    V-trace advantages less their mean over the T x B samples, over their standard deviation
+    (n - 1); the value and entropy terms stay as they were; the trust region reads the signs
+    of the normalized advantages."""
+    flags = make_flags(normalize_advantages=True, pg_clip=pg_clip)
+    outputs, batch = make_learner_outputs(), make_batch()
+    _, advantages = reference_targets(flags, outputs, batch)
+    normalized = (advantages - advantages.mean()) / advantages.std(ddof=1)
+    assert (np.sign(normalized) != np.sign(advantages)).any()  # centring flips a sign here
+    log_pi_a = log_probs_of_actions_np(outputs["policy_logits"][:-1], batch["action"][:-1])
+    kept = np.ones_like(normalized, dtype=bool)
+    if pg_clip:
+        rho = np.exp(log_pi_a - log_probs_of_actions_np(batch["policy_logits"][:-1],
+                                                        batch["action"][:-1]))
+        kept = ~(((normalized > 0) & (rho > 1 + pg_clip)) |
+                 ((normalized < 0) & (rho < 1 - pg_clip)))
+        assert not kept.all()
+    _, stats = learner.compute_loss(flags, outputs, batch)
+    plain = reference_loss_np(make_flags(pg_clip=pg_clip), outputs, batch)
+    expected = dict(pg_loss=-(log_pi_a * normalized * kept).sum(),
+                    baseline_loss=plain["baseline_loss"], entropy_loss=plain["entropy_loss"])
+    assert_stats_match(stats, expected)
+    if pg_clip:
+        assert float(stats["pg_clipped"]) == pytest.approx(1 - kept.mean())
+
+
 def test_learn_step_logs_the_policy_entropy():
     flags, batch, model = make_flags(), make_batch(), TinyModel()
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """The run skeleton's own pieces (beast/training.py), in-process."""
 
 import argparse
+import copy
 import os
 import pathlib
 import platform
@@ -350,3 +351,51 @@ def test_games_played_together_are_the_games_each_environment_plays_alone(use_ls
         alone += evaluation.play_episodes(flags, model, share, evaluation.env_seed(11, index))
     assert len(together) == 7 and together == alone
     assert len(set(together)) > 1  # the environments' games differ: the test can tell
+
+
+def tiny_batch(T, B, seed=0):
+    """A rollout of random frames, rewards and actions for the tiny MLP of 2 actions."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(frame=torch.randn(T + 1, B, 4, generator=generator),
+                reward=torch.randn(T + 1, B, generator=generator),
+                done=torch.zeros(T + 1, B, dtype=torch.bool),
+                truncated=torch.zeros(T + 1, B, dtype=torch.bool),
+                policy_logits=torch.randn(T + 1, B, 2, generator=generator),
+                baseline=torch.zeros(T + 1, B),
+                action=torch.randint(2, (T + 1, B), generator=generator),
+                last_action=torch.zeros(T + 1, B, dtype=torch.int64),
+                policy_step=torch.zeros(T + 1, B, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("pg_clip", [0.0, 0.1])
+def test_epochs_make_that_many_updates_at_the_batchs_learning_rate(pg_clip):
+    """--epochs 3: one Learner.update is three learn_steps on the same batch, all at the rate
+    of the batch's place in the schedule, which then moves once; the step counter counts the
+    batch once. With the trust region the later passes find the policy moved off the one that
+    acted, so the region binds."""
+    T, B = 4, 3
+    flags = flag_helpers.make_flags(unroll_length=T, batch_size=B, total_steps=120, epochs=3,
+                                    pg_clip=pg_clip, **TINY_LEARNER_FLAGS)
+    flags.learning_rate = 0.05
+    model, acting = (models.create_model(flags, (4,), 2) for _ in range(2))
+    reference = copy.deepcopy(model)
+    learner_ = learner.Learner(flags, model, acting)
+    batch = tiny_batch(T, B)
+    step, stats = learner_.update(batch, model.initial_state(B))
+    assert step == T * B
+    # By hand: three RMSprop steps at the first update's rate (1 - 0/120), from the same state.
+    optimizer = torch.optim.RMSprop(reference.parameters(), lr=flags.learning_rate,
+                                    alpha=flags.alpha, eps=flags.epsilon)
+    for _ in range(3):
+        outputs, _ = reference(batch, ())
+        loss, last = learner.compute_loss(flags, outputs, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), flags.grad_norm_clipping)
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert stats["total_loss"] == pytest.approx(float(last["total_loss"]), rel=1e-5)
+    assert learner_.scheduler.get_last_lr()[0] == pytest.approx(0.05 * (1 - 12 / 120))
+    if pg_clip:
+        assert stats["pg_clipped"] > 0
