@@ -293,17 +293,15 @@ def autocast_context(device, precision):
     return contextlib.nullcontext()
 
 
-def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
-               average_gradients=None):
-    """One optimisation step on one batch.
+def learn_step(flags, model, optimizer, batch, initial_agent_state, average_gradients=None):
+    """One optimisation step on one batch; the caller moves the learning-rate schedule.
 
     Args:
       flags: needs grad_norm_clipping, precision ("fp32" or "bf16") and what
         compute_loss needs.
       model: the learner's model (on the learner device); model(batch, state)
         returns (outputs dict of [T+1, B, ...] tensors, new core state).
-      optimizer, scheduler: a torch optimizer over model's parameters and its
-        learning-rate scheduler, stepped once each (scheduler None: the caller steps it).
+      optimizer: a torch optimizer over model's parameters, stepped once.
       batch: rollout dict of tensors [T+1, B, ...] on the learner device.
       initial_agent_state: tuple of the core state before step 0 of each
         rollout (float32 [num_layers, B, hidden] each, or () without a core).
@@ -337,8 +335,6 @@ def learn_step(flags, model, optimizer, scheduler, batch, initial_agent_state,
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
-        scheduler.step()  # the schedule follows environment steps, skipped or not
     stats["grad_norm"] = grad_norm
     stats["skipped_update"] = 0.0 if finite else 1.0
     return {k: float(v) for k, v in stats.items()}
@@ -466,10 +462,12 @@ class Learner:
         self.acting_model.weights_step.fill_(self.step)
 
     def update(self, batch, initial_agent_state):
-        """One step on a batch [T+1, B, ...]; returns (step counter after it, stats).
+        """flags.epochs updates on a batch [T+1, B, ...] (one by default); returns (step counter
+        after it, stats of the last update made).
 
-        An update whose loss or gradient is not finite is skipped and counted
-        (skipped_in_a_row); Run.after_update decides when that ends the run. Returns (step, None)
+        An update whose loss or gradient is not finite is skipped, ends the batch's passes and
+        is counted (skipped_in_a_row); Run.after_update decides when that ends the run. The
+        weights are published when any pass changed them. Returns (step, None)
         without an update once total_steps is reached (another learner thread got there
         first: with several ranks, an extra update would wait forever for the others).
         """
@@ -477,7 +475,16 @@ class Learner:
             if self.step >= self.flags.total_steps:
                 return self.step, None
             average = self.ranks.average_gradients if self.ranks.is_distributed else None
-            stats = self._passes(batch, initial_agent_state, average)
+            applied = 0
+            for _ in range(self.flags.epochs):
+                stats = learn_step(self.flags, self.model, self.optimizer, batch,
+                                   initial_agent_state, average)
+                if stats["skipped_update"]:
+                    break  # the next pass would start from the same weights
+                applied += 1
+            # Once per batch, skipped or not: the schedule follows environment steps, and
+            # every pass over a batch takes the batch's rate.
+            self.scheduler.step()
             steps_per_update = (self.flags.unroll_length * self.flags.batch_size *
                                 self.ranks.world_size)
             stats["policy_lag"] = policy_lag(batch, self.step, steps_per_update)
@@ -486,29 +493,11 @@ class Learner:
                 self._skipped(stats)
             else:
                 self.skipped_in_a_row = 0
+            if applied:
                 self._publish()
             stats["skipped_updates"] = self.skipped_updates
             stats["learning_rate"] = self.scheduler.get_last_lr()[0]
             return self.step, stats
-
-    def _passes(self, batch, initial_agent_state, average):
-        """flags.epochs updates on one batch; the stats of the last one made.
-
-        The schedule moves once per batch, so every pass takes the batch's learning rate. A
-        skipped (non-finite) update ends the passes: the next would start from the same
-        weights.
-        """
-        passes = self.flags.epochs
-        for done in range(1, passes + 1):
-            last = done == passes
-            stats = learn_step(self.flags, self.model, self.optimizer,
-                               self.scheduler if last else None, batch, initial_agent_state,
-                               average)
-            if stats["skipped_update"]:
-                if not last:
-                    self.scheduler.step()
-                break
-        return stats
 
     def _skipped(self, stats):
         self.skipped_updates += 1

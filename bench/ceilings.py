@@ -279,7 +279,8 @@ def _measure_learner(net, precision, threads, unroll_length, batch_size, min_ste
         state = model.initial_state(batch_size)
 
         def step():
-            learner.learn_step(flags, model, optimizer, scheduler, batch, state)
+            learner.learn_step(flags, model, optimizer, batch, state)
+            scheduler.step()
 
         # Two untimed steps: the first one allocates and (bf16) picks oneDNN kernels.
         times = time_calls(step, min_steps, budget_s, warmup=2)

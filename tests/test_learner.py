@@ -209,11 +209,9 @@ class TinyModel(nn.Module):
 
 
 def sgd_step(flags, model, batch, lr):
-    """learn_step with plain SGD and a constant learning rate; returns its stats."""
+    """learn_step with plain SGD; returns its stats."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
-    return learner.learn_step(flags, model, optimizer, scheduler, batch,
-                              model.initial_state(B))
+    return learner.learn_step(flags, model, optimizer, batch, model.initial_state(B))
 
 
 def reference_gradient(flags, model, batch):
@@ -414,12 +412,11 @@ def test_a_non_finite_loss_never_reaches_the_weights(bad):
     weights and the optimizer state stay as they were, and the stats say so."""
     flags, batch, model = make_flags(reward_clipping="none"), make_batch(), TinyModel()
     optimizer = torch.optim.RMSprop(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
-    assert learner.learn_step(flags, model, optimizer, scheduler, batch, ())["skipped_update"] == 0
+    assert learner.learn_step(flags, model, optimizer, batch, ())["skipped_update"] == 0
     before = copy.deepcopy(model.state_dict())
     optimizer_before = copy.deepcopy(optimizer.state_dict())
     batch["reward"][2, 1] = bad
-    stats = learner.learn_step(flags, model, optimizer, scheduler, batch, ())
+    stats = learner.learn_step(flags, model, optimizer, batch, ())
     assert stats["skipped_update"] == 1.0 and not np.isfinite(stats["grad_norm"])
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name

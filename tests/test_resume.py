@@ -30,7 +30,7 @@ def make_model():
 
 
 def train(flags, model, updates, checkpoint=None):
-    """`updates` optimizer and scheduler steps on a fixed loss, as learn_step makes them."""
+    """`updates` optimizer and scheduler steps on a fixed loss, as Learner.update makes them."""
     optimizer, scheduler = learner.create_optimizer(flags, model, checkpoint=checkpoint)
     inputs = torch.linspace(-1, 1, 12).view(3, 4)
     for _ in range(updates):
@@ -134,13 +134,13 @@ def test_a_typed_grad_norm_clipping_takes_effect_on_a_resume(tmp_path, monkeypat
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     model = Heads()
-    optimizer, scheduler = learner.create_optimizer(flags, model)
+    optimizer, _ = learner.create_optimizer(flags, model)
     T, B = 3, 2
     batch = dict(frame=torch.randn(T + 1, B, 4), reward=torch.ones(T + 1, B),
                  done=torch.zeros(T + 1, B, dtype=torch.bool),
                  policy_logits=torch.zeros(T + 1, B, 2), action=torch.zeros(T + 1, B,
                                                                            dtype=torch.int64))
-    learner.learn_step(flags, model, optimizer, scheduler, batch, ())
+    learner.learn_step(flags, model, optimizer, batch, ())
     assert clips == [0.25]
 
 
