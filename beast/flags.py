@@ -433,11 +433,12 @@ def _add_loss_flags(group):
                             "advantage pushes towards adds no gradient (PPO's clip on "
                             "V-trace's advantages); 0: off, IMPALA's loss "
                             f"(default: {_env_default('pg_clip')}).")
-    group.add_argument("--normalize_advantages", action=argparse.BooleanOptionalAction,
-                       default=False,
-                       help="Normalize the policy gradient's V-trace advantages over each batch "
-                            "(less their mean, over their standard deviation), as PPO does: "
-                            "the mean, common to every action taken, drops out of the step.")
+    group.add_argument("--normalize_advantages", default="none",
+                       choices=["none", "mean", "mean_std"],
+                       help="Normalize the policy gradient's V-trace advantages over each "
+                            "batch: mean takes the batch's mean out (common to every action "
+                            "taken, it tells none apart), mean_std also divides by their "
+                            "standard deviation, as PPO does.")
     group.add_argument("--discounting", type=Number(float, 0, 1), default=None,
                        help=f"Discount factor (default: {_env_default('discounting')}).")
     group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],

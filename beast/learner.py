@@ -87,7 +87,7 @@ def gaussian_entropy(logstd):
 def pg_loss(flags, inputs):
     """Policy gradient: -sum_t log pi(a_t|x_t) * V-trace advantage_t.
 
-    With flags.normalize_advantages, the advantages are normalized over the batch first.
+    The advantages are normalized over the batch first as flags.normalize_advantages says.
     With flags.pg_clip = eps > 0, a trust region around the policy that acted, as PPO's
     clipped objective draws it: a sample stops pushing once pi(a_t|x_t) / mu(a_t|x_t) has
     left [1 - eps, 1 + eps] on the side its advantage pushes towards, so a run of batches
@@ -102,21 +102,24 @@ def pg_loss(flags, inputs):
 
 
 def policy_advantages(flags, returns):
-    """V-trace's pg_advantages, normalized over the batch with flags.normalize_advantages."""
-    if flags.normalize_advantages:
-        return normalized(returns.pg_advantages)
-    return returns.pg_advantages
-
-
-def normalized(advantages):
-    """The advantages less their mean over the batch, over their standard deviation.
+    """V-trace's pg_advantages [T, B], normalized over the batch as flags.normalize_advantages
+    says: "none", "mean" (less their mean) or "mean_std" (less their mean, over their
+    standard deviation).
 
     The batch's mean advantage is mostly the value's error of the moment, common to every
     action taken; it pushes every sampled action up (or down) together, which moves the
-    policy without telling actions apart. Args and result: float32 [T, B], no gradient.
+    policy without telling actions apart. Dividing by the standard deviation makes the step's
+    size the same whatever the rewards' scale, but in a batch that holds few rewards it also
+    blows the value's noise up to the size of a real advantage.
     """
+    advantages = returns.pg_advantages
+    mode = flags.normalize_advantages
+    if mode == "none":
+        return advantages
     centred = advantages - advantages.mean()
-    return centred / (centred.std() + 1e-8)
+    if mode == "mean_std":
+        return centred / (centred.std() + 1e-8)
+    return centred
 
 
 def outside_trust_region(advantages, log_rhos, eps):

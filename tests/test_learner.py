@@ -305,16 +305,20 @@ def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
     assert "pg_clipped" not in learner.compute_loss(make_flags(), outputs, batch)[1]
 
 
+@pytest.mark.parametrize("mode", ["mean", "mean_std"])
 @pytest.mark.parametrize("pg_clip", [0.0, 0.5])
-def test_normalized_advantages_are_centred_and_scaled_over_the_batch(pg_clip):
+def test_normalized_advantages_are_centred_and_scaled_over_the_batch(mode, pg_clip):
     """--normalize_advantages: the policy gradient weighs log pi(a_t) with the reference's
-    V-trace advantages less their mean over the T x B samples, over their standard deviation
-    (n - 1); the value and entropy terms stay as they were; the trust region reads the signs
-    of the normalized advantages."""
-    flags = make_flags(normalize_advantages=True, pg_clip=pg_clip)
+    V-trace advantages less their mean over the T x B samples (mean), and over their standard
+    deviation, n - 1 (mean_std); the value and entropy terms stay as they were; the trust
+    region reads the signs of the normalized advantages."""
+    flags = make_flags(normalize_advantages=mode, pg_clip=pg_clip)
     outputs, batch = make_learner_outputs(), make_batch()
     _, advantages = reference_targets(flags, outputs, batch)
-    normalized = (advantages - advantages.mean()) / advantages.std(ddof=1)
+    normalized = advantages - advantages.mean()
+    if mode == "mean_std":
+        normalized /= advantages.std(ddof=1)
+        assert advantages.std(ddof=1) < 0.9  # the division changes the scale here
     assert (np.sign(normalized) != np.sign(advantages)).any()  # centring flips a sign here
     log_pi_a = log_probs_of_actions_np(outputs["policy_logits"][:-1], batch["action"][:-1])
     kept = np.ones_like(normalized, dtype=bool)
