@@ -35,6 +35,7 @@ ENV_DEFAULTS = {
     # TorchBeast's settings (the IMPALA paper's single-machine ones).
     "atari": dict(
         model="atari",
+        init="torch",
         total_steps=50_000_000,
         batch_size=8,
         unroll_length=80,
@@ -64,6 +65,7 @@ ENV_DEFAULTS = {
     # fits as well; it is the IMPALA paper's net for 84x84 frames.
     "image": dict(
         model="resnet",
+        init="torch",
         total_steps=5_000_000,
         batch_size=16,
         unroll_length=20,
@@ -107,6 +109,7 @@ ENV_DEFAULTS = {
     # the scale, a smaller learning rate falls less often and learns as fast.
     "vector": dict(
         model="mlp",
+        init="torch",
         total_steps=1_000_000,
         batch_size=16,
         unroll_length=80,
@@ -138,6 +141,7 @@ ENV_DEFAULTS = {
     # (beast/models.py): without it a torque pinned at a bound stalls learning.
     "continuous": dict(
         model="mlp",
+        init="torch",
         total_steps=1_000_000,
         batch_size=8,
         unroll_length=20,
@@ -418,6 +422,11 @@ def _add_loss_flags(group):
                        help="Network: TorchBeast's Atari net, the IMPALA ResNet, the "
                             "MinAtar paper's small conv net (for small frames), or an MLP "
                             f"(default: {_env_default('model')}).")
+    group.add_argument("--init", default=None, choices=["torch", "orthogonal"],
+                       help="Initial weights: PyTorch's default, or orthogonal weights and "
+                            "zero biases as OpenAI's baselines draw them, see "
+                            "beast/models.py init_orthogonal "
+                            f"(default: {_env_default('init')}).")
     group.add_argument("--use_lstm", action="store_true",
                        help="Add an LSTM core to the model.")
     group.add_argument("--hidden_size", type=Number(int, low=1), default=None,

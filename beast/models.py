@@ -463,11 +463,11 @@ MODELS = ("atari", "resnet", "small", "mlp")
 
 
 def create_model(flags, observation_shape, num_actions, continuous=False):
-    """Build the network that flags ask for.
+    """Build the network that flags ask for, its weights initialized as flags.init says.
 
-    Reads flags.model ("atari", "resnet", "small" or "mlp"), flags.use_lstm and
+    Reads flags.model ("atari", "resnet", "small" or "mlp"), flags.use_lstm,
     flags.hidden_size (the width of the MLP's layers, of the small net's fc and of DictNet's
-    encoders and core).
+    encoders and core) and flags.init ("torch" or "orthogonal", see init_orthogonal).
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
@@ -481,6 +481,13 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
       ValueError: with a message naming the --model to use, when the model is
         unknown or the observations do not fit it.
     """
+    net = _build_model(flags, observation_shape, num_actions, continuous)
+    if flags.init == "orthogonal":
+        init_orthogonal(net)
+    return net
+
+
+def _build_model(flags, observation_shape, num_actions, continuous):
     if isinstance(observation_shape, dict):
         return DictNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
                        hidden_size=flags.hidden_size, continuous=continuous)
@@ -499,6 +506,31 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
         return MLP(observation_shape, num_actions, use_lstm=flags.use_lstm,
                    hidden_size=flags.hidden_size, continuous=continuous)
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
+
+
+INITS = ("torch", "orthogonal")
+
+
+def init_orthogonal(model):
+    """Orthogonal weights and zero biases (in place; returned): gain sqrt(2) in the torso,
+    0.01 for the policy head, 1 for the value head, as OpenAI's baselines initialize.
+
+    PyTorch's default draws weights with a sixth of the variance that keeps a ReLU layer's
+    output as large as its input, so the signal shrinks by sqrt(6) at each layer: the Atari
+    net's features come out small, and so do their differences between frames that differ in
+    a few pixels (Pong's ball and paddles). The heads then read nearly the same input from
+    every frame; their biases learn the mean return long before RMSprop's steps, about a
+    learning rate per weight, have grown the weights enough to tell frames apart. The small
+    policy head starts every policy near uniform (a Gaussian policy's means near 0). An
+    LSTM keeps PyTorch's init.
+    """
+    for module in model.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.orthogonal_(module.weight, math.sqrt(2))
+            nn.init.zeros_(module.bias)
+    nn.init.orthogonal_(model.baseline.weight, 1.0)
+    nn.init.orthogonal_(model.policy.weight, 0.01)
+    return model
 
 
 def to_learning_layout(model):

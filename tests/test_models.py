@@ -351,3 +351,43 @@ def test_the_learning_layout_computes_what_the_nchw_model_does(model_name, obser
         torch.testing.assert_close(out_a[key], out_b[key], rtol=1e-4, atol=1e-5)
     for grad_a, grad_b in zip(grads_a, grads_b):
         torch.testing.assert_close(grad_a, grad_b, rtol=1e-3, atol=1e-4)
+
+
+def pong_like_frames(positions, background=87, ball=236):
+    """uint8 [N, 4, 84, 84] frames of one grey background with a 2x2 ball at each position."""
+    frames = torch.full((len(positions), 4, 84, 84), background, dtype=torch.uint8)
+    for i, (row, col) in enumerate(positions):
+        frames[i, :, row:row + 2, col:col + 2] = ball
+    return frames
+
+
+def feature_spread(net, frames):
+    """How much the Atari net's features move with the ball: their std across frames,
+    averaged over the features."""
+    with torch.no_grad():
+        return float(net.torso(frames.float() / 255).std(0).mean())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_orthogonal_init_is_what_baselines_draw_and_sees_the_ball(seed):
+    """--init orthogonal: every conv and linear layer orthogonal (W W^T = gain^2 I over the
+    flattened fan-in, or W^T W for a tall matrix), gain sqrt(2) in the torso, 0.01 for the
+    policy, 1 for the value head, biases 0. On frames that differ only where a small ball
+    is, its features differ ten times more than with PyTorch's default draw, whose layers
+    each shrink the signal."""
+    torch.manual_seed(seed)
+    net = models.create_model(flag_helpers.make_flags(kind="atari", init="orthogonal"),
+                              (4, 84, 84), NUM_ACTIONS)
+    gains = {net.policy: 0.01, net.baseline: 1.0}
+    for layer in [net.conv1, net.conv2, net.conv3, net.fc, net.policy, net.baseline]:
+        weight = layer.weight.detach().flatten(1).double()
+        gram = weight @ weight.T if weight.shape[0] <= weight.shape[1] else weight.T @ weight
+        gain = gains.get(layer, 2 ** 0.5)
+        torch.testing.assert_close(gram, gain ** 2 * torch.eye(len(gram), dtype=torch.double),
+                                   atol=1e-5, rtol=1e-5)
+        assert not layer.bias.any()
+    torch.manual_seed(seed)
+    default = models.create_model(flag_helpers.make_flags(kind="atari", init="torch"),
+                                  (4, 84, 84), NUM_ACTIONS)
+    frames = pong_like_frames([(20 + 7 * i, 10 + 11 * i) for i in range(6)])
+    assert feature_spread(net, frames) > 10 * feature_spread(default, frames)
