@@ -135,7 +135,7 @@ def test_help_states_the_env_defaults_table(make_parser):
     if make_parser is common_parser:
         helps = rendered_help(parser)
         # Spot checks of the reader itself, against the values the issue named.
-        assert ("(default: 80 Atari, 20 other images, 80 vector, 20 continuous control)"
+        assert ("(default: 20 Atari, 20 other images, 80 vector, 20 continuous control)"
                 in helps["--unroll_length"])
         assert ("0.0006 Atari, 0.01 other images, 0.005 vector, 0.0 continuous control"
                 in helps["--entropy_cost"])

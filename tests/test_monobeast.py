@@ -591,23 +591,25 @@ def test_old_atari_ids_are_accepted():
 def test_env_defaults_by_observation_kind():
     """Vector tasks get the tuned CartPole settings (rewards x 0.1, 1M steps); small images
     their own step size, RMSprop epsilon, unroll length and entropy cost; Atari keeps
-    TorchBeast's, clip of 40 and epsilon 0.01 included. Images and vectors clip only outliers
-    (about 40 per sample), vectors after a warm-up: the settings the README's learning
-    results were measured with."""
+    TorchBeast's, clip of 40 and epsilon 0.01 included, but for the orthogonal init and
+    batches of 4 x 20 steps. Images and vectors clip only outliers (about 40 per sample),
+    vectors after a warm-up: the settings the README's learning results were measured
+    with."""
     def resolved(kind):
         flags = monobeast.make_parser().parse_args([])
         beast_flags.apply_env_defaults(flags, dict(kind=kind))
         monobeast.check_flags(flags, dict(kind=kind))
         return (flags.model, flags.unroll_length, flags.learning_rate, flags.epsilon,
                 flags.entropy_cost, flags.envs_per_actor, flags.grad_norm_clipping,
-                flags.lr_warmup_steps, flags.reward_scale, flags.total_steps)
+                flags.lr_warmup_steps, flags.reward_scale, flags.total_steps, flags.init,
+                flags.batch_size)
 
     assert resolved("vector") == ("mlp", 80, 0.004, 0.01, 0.005, 32, 50_000, 100_000,
-                                  0.1, 1_000_000)
+                                  0.1, 1_000_000, "torch", 16)
     assert resolved("image") == ("resnet", 20, 0.00096, 0.1, 0.01, 32, 12_800, 0,
-                                 1.0, 5_000_000)
-    assert resolved("atari") == ("atari", 80, 0.00048, 0.01, 0.0006, 4, 40, 0,
-                                 1.0, 50_000_000)
+                                 1.0, 5_000_000, "torch", 16)
+    assert resolved("atari") == ("atari", 20, 0.00048, 0.01, 0.0006, 4, 40, 0,
+                                 1.0, 50_000_000, "orthogonal", 4)
 
 
 @pytest.mark.slow
