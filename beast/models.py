@@ -508,9 +508,6 @@ def _build_model(flags, observation_shape, num_actions, continuous):
     raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
 
 
-INITS = ("torch", "orthogonal")
-
-
 def init_orthogonal(model):
     """Orthogonal weights and zero biases (in place; returned): gain sqrt(2) in the torso,
     0.01 for the policy head, 1 for the value head, as OpenAI's baselines initialize.
