@@ -27,6 +27,7 @@ def observations(flags, steps, seed=0):
     env = envs.create_env(flags)
     rng = np.random.default_rng(seed)
     observation, _ = env.reset(seed=seed)
+    env.action_space.seed(seed)
     kept = []
     for step in range(steps):
         observation, _, terminated, truncated, _ = env.step(env.action_space.sample())
