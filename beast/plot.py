@@ -2,13 +2,15 @@
 
     python -m beast.plot ~/logs/beast/run1 ~/logs/beast/run2 -o returns.png
     python -m beast.plot ~/logs/beast            # every run under a savedir
+    python -m beast.plot runs --x _time --target 18 --reference "a peer@1800=18"
 """
 
 import argparse
 import math
 import os
+import re
 
-from beast.runlog import read_logs
+from beast.runlog import read_logs, start_times, training_seconds
 
 
 def find_runs(paths):
@@ -50,8 +52,39 @@ def smooth(values, window):
     return out
 
 
-def plot_runs(runs, output, x="step", y="mean_episode_return", smoothing=1):
-    """Draws y against x, one line per run (labelled by xpid), and saves output."""
+def parse_reference(text):
+    """'LABEL@X=Y' (a published point: X in the plot's units, with k or M for thousands or
+    millions) -> (label, x, y). Raises ValueError saying what to write."""
+    match = re.fullmatch(r"(.*\S)\s*@\s*([-+0-9.eE]+)([kM]?)\s*=\s*([-+0-9.eE]+)", text.strip())
+    try:
+        label, x, unit, y = match.groups()
+        return label.strip(), float(x) * {"": 1, "k": 1e3, "M": 1e6}[unit], float(y)
+    except (AttributeError, ValueError):
+        raise ValueError(f"--reference {text!r}: write LABEL@X=Y, e.g. "
+                         "'CleanRL PPO@2.5M=18' (X in the plot's units)") from None
+
+
+def curve(run, x, y, smoothing):
+    """(xs, ys) of one run: y against steps or, for x "_time", against its seconds of
+    training (a resume's pause left out, runlog.training_seconds)."""
+    rows = read_logs(os.path.join(run, "logs.csv"))
+    missing = [c for c in (x, y) if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(
+            f"{run}/logs.csv has no column {missing[0]!r} (it has: {', '.join(rows[0])})"
+        )
+    xs = [r[x] for r in rows]
+    if x == "_time":
+        xs = training_seconds(xs, start_times(run))
+    # nan: no episode had finished yet at that logging point.
+    points = [(at, r[y]) for at, r in zip(xs, rows) if not math.isnan(r[y])]
+    return [p[0] for p in points], smooth([p[1] for p in points], max(1, smoothing))
+
+
+def plot_runs(runs, output, x="step", y="mean_episode_return", smoothing=1, target=None,
+              references=()):
+    """Draws y against x, one line per run (labelled by xpid), a dotted line at `target`
+    and a marker per (label, x, y) of `references`, and saves output."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed, e.g. over ssh
@@ -59,19 +92,13 @@ def plot_runs(runs, output, x="step", y="mean_episode_return", smoothing=1):
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for run in runs:
-        rows = read_logs(os.path.join(run, "logs.csv"))
-        missing = [c for c in (x, y) if rows and c not in rows[0]]
-        if missing:
-            raise ValueError(
-                f"{run}/logs.csv has no column {missing[0]!r} (it has: {', '.join(rows[0])})"
-            )
-        start = rows[0][x] if rows and x == "_time" else 0.0
-        # nan: no episode had finished yet at that logging point.
-        points = [(r[x] - start, r[y]) for r in rows if not math.isnan(r[y])]
-        xs = [p[0] for p in points]
-        ys = smooth([p[1] for p in points], max(1, smoothing))
-        ax.plot(xs, ys, label=os.path.basename(os.path.normpath(run)))
-    ax.set_xlabel("seconds since start" if x == "_time" else "environment steps")
+        ax.plot(*curve(run, x, y, smoothing), label=os.path.basename(os.path.normpath(run)))
+    if target is not None:
+        ax.axhline(target, color="black", linestyle=":", label=f"target {target:g}")
+    for marker, (label, at, value) in zip("*DPXv^<>", references):
+        ax.plot([at], [value], marker=marker, markersize=11, color="black", linestyle="",
+                label=label)
+    ax.set_xlabel("seconds of training" if x == "_time" else "environment steps")
     ax.set_ylabel(y.replace("_", " "))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -90,14 +117,26 @@ def main(argv=None):
                         help="Run directories (savedir/xpid), or savedirs holding several runs.")
     parser.add_argument("-o", "--output", default="returns.png", help="PNG file to write.")
     parser.add_argument("--x", default="step", choices=["step", "_time"],
-                        help="Horizontal axis: environment steps or wall-clock seconds.")
+                        help="Horizontal axis: environment steps, or seconds of training "
+                             "(wall-clock, the pauses between a stop and its resume left out).")
     parser.add_argument("--y", default="mean_episode_return", help="logs.csv column to plot.")
     parser.add_argument("--smooth", type=int, default=1, metavar="N",
                         help="Average each point with the N-1 before it (1: no smoothing).")
+    parser.add_argument("--target", type=float, default=None,
+                        help="Draw a dotted horizontal line at this value, e.g. a return "
+                             "that counts as solved.")
+    parser.add_argument("--reference", action="append", default=[], metavar="LABEL@X=Y",
+                        help="Mark a published point, e.g. 'CleanRL PPO@2.5M=18': X in the "
+                             "axis's units (steps, or seconds with --x _time), k and M for "
+                             "thousands and millions. Repeatable (up to 8).")
     flags = parser.parse_args(argv)
     try:
+        references = [parse_reference(text) for text in flags.reference]
+        if len(references) > 8:
+            raise ValueError(f"{len(references)} --reference points: give at most 8")
         runs = find_runs(flags.runs)
-        plot_runs(runs, flags.output, x=flags.x, y=flags.y, smoothing=flags.smooth)
+        plot_runs(runs, flags.output, x=flags.x, y=flags.y, smoothing=flags.smooth,
+                  target=flags.target, references=references)
     except (ValueError, OSError) as e:
         parser.error(str(e))  # one clear message and exit status 2, no traceback
     print(f"wrote {flags.output} ({len(runs)} run{'s' if len(runs) != 1 else ''})")

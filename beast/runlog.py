@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import secrets
 import shutil
 import socket
@@ -570,6 +571,44 @@ def _read_or_create_id(path, new_id):
     with open(path, "w") as f:
         f.write(run_id + "\n")
     return run_id
+
+
+def start_times(path):
+    """start_unix of each start of the run in path: meta.json, and meta.json.1, .2, ... that
+    _keep_old keeps from earlier starts. Sorted; empty when there are none (hand-made logs)."""
+    starts = []
+    for name in os.listdir(path) if os.path.isdir(path) else ():
+        if re.fullmatch(r"meta\.json(\.\d+)?", name):
+            try:
+                with open(os.path.join(path, name)) as f:
+                    starts.append(float(json.load(f)["start_unix"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a damaged file costs only this start's launch time
+    return sorted(starts)
+
+
+def training_seconds(times, starts=()):
+    """For each of `times` (sorted seconds since the epoch, one a logs.csv row), the seconds
+    the run had trained by then: from its latest start to that time, plus, for each earlier
+    start, from that start to its last row before the next one. The pause between a stop and
+    its resume is left out. starts: start_times; without them, the first time stands for
+    the only start (so the time to the first row is not counted).
+    """
+    if not times:
+        return []
+    starts = sorted(s for s in starts if s <= times[-1])
+    if not starts or starts[0] > times[0]:  # rows from before the first start we know of
+        starts = [times[0], *starts]
+    seconds, before, start, last = [], 0.0, None, None
+    for t in times:
+        latest = max(s for s in starts if s <= t)
+        if latest != start:
+            if start is not None:
+                before += last - start
+            start = latest
+        seconds.append(before + t - start)
+        last = t
+    return seconds
 
 
 def read_logs(path):

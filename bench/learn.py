@@ -263,40 +263,11 @@ def drop_superseded(rows):
     return kept
 
 
-def start_times(path):
-    """start_unix of each start of the run in path: meta.json, and meta.json.1, .2, ... that
-    runlog keeps from earlier starts. Sorted; empty when there are none (hand-made logs)."""
-    starts = []
-    for name in os.listdir(path) if os.path.isdir(path) else ():
-        if re.fullmatch(r"meta\.json(\.\d+)?", name):
-            try:
-                with open(os.path.join(path, name)) as f:
-                    starts.append(float(json.load(f)["start_unix"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # a damaged file costs only this start's launch time
-    return sorted(starts)
-
-
 def wall_time(times, starts=()):
-    """Seconds a run spent: for each start, from the start to its last row, summed.
-
-    Args:
-      times: the _time of every logs.csv row (seconds since the epoch).
-      starts: when each start of the run began; without them, the first row's time stands
-        for the only start (so the time to the first row is not counted).
-    """
+    """Seconds a run spent: for each start, from the start to its last row, summed (the
+    last of runlog.training_seconds); nan without rows."""
     times = sorted(t for t in times if math.isfinite(t))
-    if not times:
-        return math.nan
-    starts = sorted(s for s in starts if s <= times[-1])
-    if not starts or starts[0] > times[0]:  # rows from before the first start we know of
-        starts = [times[0], *starts]
-    total = 0.0
-    for start, end in zip(starts, [*starts[1:], math.inf]):
-        inside = [t for t in times if start <= t < end]
-        if inside:
-            total += inside[-1] - start
-    return total
+    return runlog.training_seconds(times, starts)[-1] if times else math.nan
 
 
 def resume_settling(rows, starts, num_envs):
@@ -364,14 +335,14 @@ def read_curve(path):
     tests = {policy: test for policy, test in tests.items() if test}
     return Curve(steps=list(points), returns=list(points.values()),
                  entropy_steps=[s for s, _ in entropies], entropies=[e for _, e in entropies],
-                 settling=resume_settling(timed, start_times(path), run_num_envs(path)),
+                 settling=resume_settling(timed, runlog.start_times(path), run_num_envs(path)),
                  test_returns={policy: test["returns"] for policy, test in tests.items()},
                  test_steps={policy: test["step"] for policy, test in tests.items()},
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
                  pg_clipped=[r["pg_clipped"] for r in rows if _finite(r, "pg_clipped")],
                  last_step=max((r["step"] for r in rows), default=math.nan),
                  wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
-                                  start_times(path)),
+                                  runlog.start_times(path)),
                  eval_return=evals[-1][1] if evals else math.nan)
 
 
