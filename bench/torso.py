@@ -9,6 +9,12 @@ standard deviation across them and the policy's mean entropy. A torso whose ReLU
 gives the same features for every observation: no unit of its last layer responds, the
 value's deviation is 0 and the policy is the same in every state, whatever it has learnt to
 weigh the last action and reward with.
+
+From the checkpoint's optimizer state (RMSprop's running mean square of each gradient), the
+report also gives each layer's channels that no gradient has reached for thousands of updates
+(dead: their ReLU is 0 on everything the learner saw) and the share of its weights whose
+gradients' root mean square exceeds RMSprop's epsilon: those step at about the learning rate,
+the others at a fraction of it (their root mean square over epsilon).
 """
 
 import argparse
@@ -69,6 +75,28 @@ def responses(model, frames):
     return shares, float(outputs["baseline"].float().std()), entropy
 
 
+def gradient_shares(model, optimizer_state):
+    """{torso layer name: (dead channels, channels, share of weights stepping at about the
+    learning rate)} from an RMSprop state_dict of model.parameters(). A channel is dead when
+    its bias's mean square gradient is below 1e-24 (exactly 0 for thousands of updates, as
+    it decays by alpha at each)."""
+    eps = optimizer_state["param_groups"][0]["eps"]
+    order = optimizer_state["param_groups"][0]["params"]
+    mean_squares = {name: optimizer_state["state"].get(index, {}).get("square_avg")
+                    for index, (name, _) in zip(order, model.named_parameters())}
+    shares = {}
+    heads = (model.policy, model.baseline)
+    for name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)) or module in heads:
+            continue
+        weight, bias = mean_squares.get(f"{name}.weight"), mean_squares.get(f"{name}.bias")
+        if weight is None or bias is None:
+            continue  # no update yet, or a layer without a bias
+        shares[name] = (int((bias < 1e-24).sum()), bias.numel(),
+                        float((weight.sqrt() > eps).float().mean()))
+    return shares
+
+
 def report(savedir, xpid, steps):
     """One line per run: its step, the value's deviation, the entropy, each layer's share."""
     flags = training.parse_flags(monobeast.make_parser(),
@@ -80,6 +108,10 @@ def report(savedir, xpid, steps):
     layers = " ".join(f"{name} {share:.2f}" for name, share in shares.items())
     print(f"{xpid}: step {checkpoint['step']:,}, value std {value_std:.4f}, "
           f"entropy {entropy:.2f} nats; responding: {layers}")
+    gradients = gradient_shares(model, checkpoint["optimizer_state_dict"])
+    print("  no gradient (dead) / stepping at the rate: " + " ".join(
+        f"{name} {dead}/{total} {stepping:.2f}" for name, (dead, total, stepping)
+        in gradients.items()))
 
 
 def main(argv=None):
