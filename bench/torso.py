@@ -45,6 +45,14 @@ def observations(flags, steps, seed=0):
     return torch.as_tensor(np.stack(kept))
 
 
+def torso_layers(model):
+    """[(name, module)] of the model's Conv2d and Linear layers but the policy and value
+    heads, in the order the model registers them."""
+    heads = (model.policy, model.baseline)
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)) and module not in heads]
+
+
 def responses(model, frames):
     """(share of responding channels by torso layer name, value std, mean policy entropy) of
     the model on frames [N, *obs], fed as N steps of one environment."""
@@ -57,10 +65,8 @@ def responses(model, frames):
             shares[name] = float(varies.float().mean())
         return hook
 
-    heads = (model.policy, model.baseline)
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)) and module not in heads:
-            hooks.append(module.register_forward_hook(record(name)))
+    for name, module in torso_layers(model):
+        hooks.append(module.register_forward_hook(record(name)))
     n = len(frames)
     inputs = dict(frame=frames[:, None], reward=torch.zeros(n, 1), done=torch.zeros(n, 1).bool(),
                   last_action=torch.zeros(n, 1, dtype=torch.int64))
@@ -85,10 +91,7 @@ def gradient_shares(model, optimizer_state):
     mean_squares = {name: optimizer_state["state"].get(index, {}).get("square_avg")
                     for index, (name, _) in zip(order, model.named_parameters())}
     shares = {}
-    heads = (model.policy, model.baseline)
-    for name, module in model.named_modules():
-        if not isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)) or module in heads:
-            continue
+    for name, _ in torso_layers(model):
         weight, bias = mean_squares.get(f"{name}.weight"), mean_squares.get(f"{name}.bias")
         if weight is None or bias is None:
             continue  # no update yet, or a layer without a bias

@@ -26,9 +26,7 @@ def test_a_dead_torso_responds_to_nothing():
 def test_gradient_shares_finds_the_dead_channels_and_the_damped_weights():
     torch.manual_seed(0)
     net = models.create_model(flag_helpers.make_flags(kind="image"), (4, 10, 10), 3)
-    layers = [(name, m) for name, m in net.named_modules()
-              if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))
-              and m not in (net.policy, net.baseline)]
+    layers = torso.torso_layers(net)
     name, last = layers[-1]
     with torch.no_grad():
         last.bias[:5] = -1e3  # five units of the last torso layer dead, at least
