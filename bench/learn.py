@@ -255,7 +255,7 @@ def drop_superseded(rows):
     """
     kept, last_training_step = [], -math.inf
     for row in rows:
-        if not _finite(row, "eval_mean_episode_return"):
+        if not finite_value(row, "eval_mean_episode_return"):
             if row["step"] < last_training_step:
                 kept = [r for r in kept if r["step"] <= row["step"]]
             last_training_step = row["step"]
@@ -282,10 +282,10 @@ def resume_settling(rows, starts, num_envs):
     """
     windows = []
     # Training rows only: an evaluation row carries the step of its snapshot, not the time's.
-    rows = [r for r in rows if not _finite(r, "eval_mean_episode_return")]
+    rows = [r for r in rows if not finite_value(r, "eval_mean_episode_return")]
     for start in starts[1:]:
-        before = [r for r in rows if r["_time"] < start and _finite(r, "episodes")]
-        after = [r for r in rows if r["_time"] >= start and _finite(r, "step")]
+        before = [r for r in rows if r["_time"] < start and finite_value(r, "episodes")]
+        after = [r for r in rows if r["_time"] >= start and finite_value(r, "step")]
         if not before or not after:
             continue
         settled = before[-1]["episodes"] + num_envs + EPISODE_WINDOW
@@ -310,7 +310,8 @@ def run_num_envs(path):
         return 0
 
 
-def _finite(row, key):
+def finite_value(row, key):
+    """Whether row[key] is a finite float (a CSV cell that was empty reads as NaN or is absent)."""
     value = row.get(key, math.nan)
     return isinstance(value, float) and math.isfinite(value)
 
@@ -320,17 +321,17 @@ def read_curve(path):
     logs_path = os.path.join(path, "logs.csv")
     if not os.path.isfile(logs_path):
         return None
-    raw = [r for r in runlog.read_logs(logs_path) if _finite(r, "step")]
+    raw = [r for r in runlog.read_logs(logs_path) if finite_value(r, "step")]
     rows = drop_superseded(raw)
     points = {}
     for row in rows:
-        if _finite(row, "mean_episode_return"):  # nan until the first episode ends
+        if finite_value(row, "mean_episode_return"):  # nan until the first episode ends
             points[row["step"]] = row["mean_episode_return"]  # the later of equal steps
     # By step: an evaluation row is written when the evaluation ends, maybe after later ones.
     evals = sorted({r["step"]: r["eval_mean_episode_return"] for r in rows
-                    if _finite(r, "eval_mean_episode_return")}.items())
+                    if finite_value(r, "eval_mean_episode_return")}.items())
     entropies = policy_entropies(rows, path)
-    timed = [r for r in rows if _finite(r, "_time")]
+    timed = [r for r in rows if finite_value(r, "_time")]
     tests = {policy: latest_test(path, policy) for policy in TEST_POLICIES}
     tests = {policy: test for policy, test in tests.items() if test}
     return Curve(steps=list(points), returns=list(points.values()),
@@ -339,9 +340,9 @@ def read_curve(path):
                  test_returns={policy: test["returns"] for policy, test in tests.items()},
                  test_steps={policy: test["step"] for policy, test in tests.items()},
                  eval_steps=[s for s, _ in evals], eval_returns=[v for _, v in evals],
-                 pg_clipped=[r["pg_clipped"] for r in rows if _finite(r, "pg_clipped")],
+                 pg_clipped=[r["pg_clipped"] for r in rows if finite_value(r, "pg_clipped")],
                  last_step=max((r["step"] for r in rows), default=math.nan),
-                 wall_s=wall_time([r["_time"] for r in raw if _finite(r, "_time")],
+                 wall_s=wall_time([r["_time"] for r in raw if finite_value(r, "_time")],
                                   runlog.start_times(path)),
                  eval_return=evals[-1][1] if evals else math.nan)
 
@@ -424,9 +425,9 @@ def policy_entropies(rows, path):
         pass
     found = []
     for row in rows:
-        if _finite(row, "policy_entropy"):
+        if finite_value(row, "policy_entropy"):
             found.append((row["step"], row["policy_entropy"]))
-        elif _finite(row, "entropy_loss") and per_step > 0:
+        elif finite_value(row, "entropy_loss") and per_step > 0:
             found.append((row["step"], -row["entropy_loss"] / per_step))
     return found
 

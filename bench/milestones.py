@@ -20,7 +20,7 @@ if REPO not in sys.path:  # `python -m bench.milestones` from another directory
 
 from beast import runlog  # noqa: E402
 
-from bench.learn import _finite, drop_superseded, latest_test  # noqa: E402
+from bench.learn import drop_superseded, finite_value, latest_test  # noqa: E402
 
 # A run that ended less than this before a milestone still reports its last row there: a run
 # stopped by `timeout 3600` logs its last row a few seconds short of the hour.
@@ -31,7 +31,7 @@ def training_rows(path):
     """The run's training rows (no evaluation rows), in time order, without those a resume
     made stale. Raises FileNotFoundError without a logs.csv."""
     rows = drop_superseded(runlog.read_logs(os.path.join(path, "logs.csv")))
-    return [r for r in rows if not _finite(r, "eval_mean_episode_return")]
+    return [r for r in rows if not finite_value(r, "eval_mean_episode_return")]
 
 
 def milestones(path, minutes, thresholds):
@@ -42,7 +42,7 @@ def milestones(path, minutes, thresholds):
     if not rows:
         raise ValueError(f"{path}: logs.csv has no training rows")
     seconds = runlog.training_seconds([r["_time"] for r in rows], runlog.start_times(path))
-    timed = [(t, r) for t, r in zip(seconds, rows) if _finite(r, "mean_episode_return")]
+    timed = [(t, r) for t, r in zip(seconds, rows) if finite_value(r, "mean_episode_return")]
     returns = {}
     for minute in minutes:
         before = [r for t, r in timed if t <= minute * 60]
@@ -81,7 +81,7 @@ def table(labels, results, minutes, thresholds):
                                    for k in minutes)]
         cells += [fmt_first(m["firsts"][th]) for th in thresholds]
         cells += [f"{m['steps'] / 1e6:.2f}M ({m['steps'] / m['seconds']:,.0f})",
-                  f"{m['length']:,.0f}" if _finite(m, "length") else "-"]
+                  f"{m['length']:,.0f}" if finite_value(m, "length") else "-"]
         cells += [fmt_test(m["tests"][policy], m["steps"]) for policy in ("sample", "greedy")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
