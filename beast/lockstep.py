@@ -38,9 +38,9 @@ class Lockstep:
       weights   round k is acted with version V(k) = floor(max(k - 1, 0) * R / B), the
                 weights after every update that needs only rounds before k - 1, so the
                 actors fill round k while the learner learns on round k - 1. With R = B
-                (Pong's defaults) update u learns on rollouts acted with the weights of
-                the update before its own, as Cleanba does; with R = 4B (CartPole's) the
-                lag is 4 to 7 updates, the same for every run.
+                update u learns on rollouts acted with the weights of the update before
+                its own, as Cleanba does; with R = 4B (the defaults of Pong and of
+                CartPole) the lag is 4 to 7 updates, the same for every run.
       copies    an actor copies version V(k) into its own model before round k (taken),
                 and the learner writes the next version only once every actor that acts
                 with the current one has taken it: no weights are torn or skipped.
