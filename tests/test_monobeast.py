@@ -608,7 +608,7 @@ def test_env_defaults_by_observation_kind():
                                   0.1, 1_000_000, "torch", 16)
     assert resolved("image") == ("resnet", 20, 0.00096, 0.1, 0.01, 32, 12_800, 0,
                                  1.0, 5_000_000, "torch", 16)
-    assert resolved("atari") == ("atari", 20, 0.00048, 0.01, 0.0006, 4, 40, 0,
+    assert resolved("atari") == ("atari", 20, 0.00048, 0.01, 0.0006, 8, 40, 0,
                                  1.0, 50_000_000, "orthogonal", 4)
 
 
