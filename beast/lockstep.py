@@ -39,8 +39,8 @@ class Lockstep:
                 weights after every update that needs only rounds before k - 1, so the
                 actors fill round k while the learner learns on round k - 1. With R = B
                 update u learns on rollouts acted with the weights of the update before
-                its own, as Cleanba does; with R = 4B (the defaults of Pong and of
-                CartPole) the lag is 4 to 7 updates, the same for every run.
+                its own, as Cleanba does; with R = 4B the lag is 4 to 7 updates, the
+                same for every run.
       copies    an actor copies version V(k) into its own model before round k (taken),
                 and the learner writes the next version only once every actor that acts
                 with the current one has taken it: no weights are torn or skipped.
