@@ -410,8 +410,7 @@ def train_serial(run, model, buffers, state_buffers):
 
 
 VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
-                           acting_model=acting_model, train_loop=train_loop,
-                           acts_on_cpu=True)
+                           acting_model=acting_model, train_loop=train_loop)
 
 
 main = functools.partial(training.main, VARIANT)  # main(argv=None) -> exit code

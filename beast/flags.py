@@ -407,9 +407,8 @@ def _add_learner_flags(group):
                             "what each small forward pass reads; outputs stay float32, the "
                             "learner float32 (or --precision), and V-trace corrects for "
                             "the difference like any other policy lag. Fast where the CPU "
-                            "has bf16 instructions (AMX, AVX-512 BF16), slow where not; auto: "
-                            "bf16 where the acting model runs on such a CPU (MonoBeast's "
-                            "actors always do, beside a GPU learner too), else fp32 "
+                            "has bf16 instructions (AMX, AVX-512 BF16), slow where not; auto "
+                            "as for --precision "
                             f"(default: {_env_default('acting_precision')}).")
     group.add_argument("--max_nonfinite_updates", type=Number(int, low=1), default=10,
                        help="Learner updates in a row whose loss or gradient is not finite "
@@ -618,22 +617,19 @@ class FlagError(ValueError):
                                    + [f"  - {p}" for p in self.problems]))
 
 
-def resolve_precisions(flags, device_type, cpu_bf16=None, acting_device_type=None):
-    """Turns --precision and --acting_precision "auto" into bf16 where the model runs on a
-    CPU with bf16 instructions (emulated bf16 is slower than float32, and a GPU's runs are
-    float32's), else fp32. device_type: the learner's; acting_device_type: the acting
-    model's (MonoBeast's actors act on the CPU beside a CUDA learner; None: the learner's).
-    Returns what the run's meta.json records: both precisions and why.
-    cpu_bf16: machine.this_cpu()'s second value (None: this machine's)."""
+def resolve_precisions(flags, device_type, cpu_bf16=None):
+    """Turns --precision and --acting_precision "auto" into bf16 where the learner's device
+    is a CPU with bf16 instructions (emulated bf16 is slower than float32, and a GPU's runs
+    are float32's), else fp32. Returns what the run's meta.json records: both precisions and
+    why. cpu_bf16: machine.this_cpu()'s second value (None: this machine's)."""
     if cpu_bf16 is None:
         cpu_bf16 = machine.this_cpu()[1]
-    devices = {"precision": device_type, "acting_precision": acting_device_type or device_type}
+    native = device_type == "cpu" and machine.has_native_bf16(cpu_bf16)
     why = {}
-    for name, device in devices.items():
+    for name in ("precision", "acting_precision"):
         if getattr(flags, name) == "auto":
-            native = device == "cpu" and machine.has_native_bf16(cpu_bf16)
             setattr(flags, name, "bf16" if native else "fp32")
-            why[name] = f"auto: on a {device.upper()}, the CPU's bf16: {cpu_bf16}"
+            why[name] = (f"auto: a {device_type.upper()} learner, the CPU's bf16: {cpu_bf16}")
         else:
             why[name] = "typed" if name in getattr(flags, "given", ()) else "saved or default"
     return {name: {"value": getattr(flags, name), "why": why[name]} for name in why}

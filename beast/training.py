@@ -66,8 +66,6 @@ class Variant:
     per_start_flags: flags never taken from a resumed run's saved flags.
     distributed:     whether it runs as several learner ranks under torchrun
                      (beast/distributed.py); a variant that does not is refused there.
-    acts_on_cpu:     whether its acting model runs on the CPU whatever the learner's device
-                     (MonoBeast's actors), which decides what --acting_precision auto picks.
     """
 
     make_parser: object
@@ -77,17 +75,16 @@ class Variant:
     environments: object = lambda flags: contextlib.nullcontext()
     per_start_flags: frozenset = frozenset()
     distributed: bool = False
-    acts_on_cpu: bool = False
 
 
 # ----------------------------------------------------------------------------
 # Set-up.
 
-def prepare_run(flags, check_flags=None, ranks=None, acts_on_cpu=False):
+def prepare_run(flags, check_flags=None, ranks=None):
     """Checks everything before any work starts, and only then creates the run directory:
     a refused run writes nothing. Reads a resumed run's saved flags and checkpoint, fills
     the environment's defaults and the variant's own (check_flags: fn(flags, info) -> list
-    of problems) and reports every problem at once. acts_on_cpu: Variant.acts_on_cpu.
+    of problems) and reports every problem at once.
 
     ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
     run directory and every rank gets its xpid, saved flags and checkpoint.
@@ -102,7 +99,7 @@ def prepare_run(flags, check_flags=None, ranks=None, acts_on_cpu=False):
         flags.xpid = run_dir.xpid
         if saved_flags is not None:
             beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
-        info = check_flags_for_env(flags, check_flags, checkpoint, acts_on_cpu)
+        info = check_flags_for_env(flags, check_flags, checkpoint)
         if ranks.is_main:  # the others write nothing
             run_dir.create()
             if claim:
@@ -155,7 +152,7 @@ def _saved_flags_and_checkpoint(flags, run_dir):
         raise UserError(str(e)) from None
 
 
-def check_flags_for_env(flags, check_flags, checkpoint, acts_on_cpu=False):
+def check_flags_for_env(flags, check_flags, checkpoint):
     """The environment's facts (envs.env_info), the defaults that depend on them, and every
     problem with the flags, reported together; returns the facts."""
     try:
@@ -167,9 +164,7 @@ def check_flags_for_env(flags, check_flags, checkpoint, acts_on_cpu=False):
     problems += video.render_problems(flags)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
-    device_type = select_device(flags).type
-    info["precisions"] = beast_flags.resolve_precisions(
-        flags, device_type, acting_device_type="cpu" if acts_on_cpu else device_type)
+    info["precisions"] = beast_flags.resolve_precisions(flags, select_device(flags).type)
     try:
         beast_flags.validate_flags(flags, problems + model_problems(flags, info))
         if checkpoint is not None:
@@ -505,8 +500,7 @@ def train(flags, variant):
     """
     ranks = join_ranks(flags, variant)
     try:
-        run_dir, info, checkpoint = prepare_run(flags, variant.check_flags, ranks,
-                                                variant.acts_on_cpu)
+        run_dir, info, checkpoint = prepare_run(flags, variant.check_flags, ranks)
         try:
             stop = start_process(flags, info)
             with variant.environments(flags) as environments, \
@@ -616,8 +610,7 @@ class RankLogger:
 def test(flags, variant):
     if distributed.env_rank()[1] > 1:
         raise UserError("--mode test plays on one process: run it without torchrun.")
-    run_dir, info, checkpoint = prepare_run(flags, variant.check_flags,
-                                            acts_on_cpu=variant.acts_on_cpu)
+    run_dir, info, checkpoint = prepare_run(flags, variant.check_flags)
     torch.set_num_threads(flags.num_torch_threads)
     model = build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])

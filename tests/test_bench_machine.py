@@ -105,27 +105,6 @@ def test_auto_precision_is_bf16_where_a_cpu_learner_has_bf16_instructions(cpu_bf
         assert chosen[name]["why"].startswith("auto") and cpu_bf16 in chosen[name]["why"]
 
 
-def test_auto_acting_precision_follows_the_device_the_actors_act_on():
-    # MonoBeast's actors act on the CPU beside a CUDA learner: its bf16 instructions count.
-    flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
-                                           {"kind": "atari"})
-    chosen = beast_flags.resolve_precisions(flags, "cuda", cpu_bf16="AMX",
-                                            acting_device_type="cpu")
-    assert (flags.precision, flags.acting_precision) == ("fp32", "bf16")
-    assert "CUDA" in chosen["precision"]["why"] and "CPU" in chosen["acting_precision"]["why"]
-    flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
-                                           {"kind": "atari"})
-    beast_flags.resolve_precisions(flags, "cuda", cpu_bf16="none (emulated)",
-                                   acting_device_type="cpu")
-    assert (flags.precision, flags.acting_precision) == ("fp32", "fp32")
-
-
-def test_monobeast_acts_on_the_cpu_and_polybeast_on_the_learners_device():
-    import monobeast
-    import polybeast
-    assert monobeast.VARIANT.acts_on_cpu and not polybeast.VARIANT.acts_on_cpu
-
-
 def test_a_typed_precision_and_the_small_nets_defaults_stay_as_they_are():
     flags = beast_flags.common_parser().parse_args(["--acting_precision", "fp32"])
     flags.given = {"acting_precision"}
