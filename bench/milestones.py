@@ -1,6 +1,7 @@
 """python -m bench.milestones: where runs stood after so many minutes of training, as a table.
 
-For each run directory: the 100-episode mean return at the given minutes of training, when
+For each run directory: the 100-episode mean return at the given minutes of training (and,
+with --steps, at given environment steps, which compare runs on machines of different speed), when
 (minutes and steps) it first reached each threshold, its steps and SPS, the mean game length
 at its end, and the latest `--mode test` of its final checkpoint, sampled and greedy. Minutes
 count training as `beast.plot --x _time` does: from each launch, start-up included, the
@@ -34,10 +35,11 @@ def training_rows(path):
     return [r for r in rows if not finite_value(r, "eval_mean_episode_return")]
 
 
-def milestones(path, minutes, thresholds):
+def milestones(path, minutes, thresholds, steps=()):
     """What the run at path had reached: see the module's docstring. Returns a dict with
-    returns {minute: return or None}, firsts {threshold: (seconds, step) or None}, seconds,
-    steps, length (the last row's mean_episode_length) and tests {policy: record or None}."""
+    returns {minute: return or None}, at_steps {step: return or None}, firsts {threshold:
+    (seconds, step) or None}, seconds, steps, length (the last row's mean_episode_length) and
+    tests {policy: record or None}."""
     rows = training_rows(path)
     if not rows:
         raise ValueError(f"{path}: logs.csv has no training rows")
@@ -48,10 +50,17 @@ def milestones(path, minutes, thresholds):
         before = [r for t, r in timed if t <= minute * 60]
         reached = seconds[-1] + GRACE_S >= minute * 60
         returns[minute] = before[-1]["mean_episode_return"] if before and reached else None
+    # A run that stopped short of a step has no return there; otherwise its last row at or
+    # before the step (rows come every few thousand steps).
+    at_steps = {}
+    for step in steps:
+        before = [r for _, r in timed if r["step"] <= step]
+        reached = rows[-1]["step"] >= step
+        at_steps[step] = before[-1]["mean_episode_return"] if before and reached else None
     firsts = {th: next(((t, r["step"]) for t, r in timed if r["mean_episode_return"] >= th),
                        None) for th in thresholds}
-    return dict(returns=returns, firsts=firsts, seconds=seconds[-1], steps=rows[-1]["step"],
-                length=rows[-1].get("mean_episode_length", math.nan),
+    return dict(returns=returns, at_steps=at_steps, firsts=firsts, seconds=seconds[-1],
+                steps=rows[-1]["step"], length=rows[-1].get("mean_episode_length", math.nan),
                 tests={policy: latest_test(path, policy) for policy in ("sample", "greedy")})
 
 
@@ -69,16 +78,22 @@ def fmt_test(record, steps):
     return text if record["step"] >= steps else f"{text} at {record['step'] / 1e6:.2f}M"
 
 
-def table(labels, results, minutes, thresholds):
+def fmt_returns(returns, keys):
+    return " / ".join("-" if returns[k] is None else f"{returns[k]:+.1f}" for k in keys)
+
+
+def table(labels, results, minutes, thresholds, steps=()):
     """The markdown table, one row per run."""
     header = (["run", "return at " + " / ".join(f"{m:g}" for m in minutes) + " minutes"]
+              + (["return at " + " / ".join(f"{s / 1e6:g}" for s in steps) + "M steps"]
+                 if steps else [])
               + [f"first {th:+g}" for th in thresholds]
               + ["steps (SPS)", "game length at the end", "checkpoint, sampled (games)",
                  "checkpoint, greedy (games)"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, m in zip(labels, results):
-        cells = [label, " / ".join("-" if m["returns"][k] is None else f"{m['returns'][k]:+.1f}"
-                                   for k in minutes)]
+        cells = [label, fmt_returns(m["returns"], minutes)]
+        cells += [fmt_returns(m["at_steps"], steps)] if steps else []
         cells += [fmt_first(m["firsts"][th]) for th in thresholds]
         cells += [f"{m['steps'] / 1e6:.2f}M ({m['steps'] / m['seconds']:,.0f})",
                   f"{m['length']:,.0f}" if finite_value(m, "length") else "-"]
@@ -103,6 +118,10 @@ def make_parser():
     parser.add_argument("--minutes", type=numbers, default="20,30,40,50,60",
                         help="Minutes of training at which to read the return; a run that "
                              "ended more than a minute before one shows '-'.")
+    parser.add_argument("--steps", type=numbers, default="",
+                        help="Environment steps at which to read the return as well, e.g. "
+                             "1e6,2e6,3e6; a run that stopped short of one shows '-'. Runs on "
+                             "machines of different speed compare by steps, not minutes.")
     parser.add_argument("--thresholds", type=numbers, default="0",
                         help="Returns whose first crossing to report; with a negative first one, "
                              "write --thresholds=-19,0,18.")
@@ -123,10 +142,10 @@ def main(argv=None):
     results = []
     for path in args.runs:
         try:
-            results.append(milestones(path, args.minutes, args.thresholds))
+            results.append(milestones(path, args.minutes, args.thresholds, args.steps))
         except (OSError, ValueError) as e:
             parser.error(f"cannot read {path}: {e}")
-    print(table(labels, results, args.minutes, args.thresholds))
+    print(table(labels, results, args.minutes, args.thresholds, args.steps))
 
 
 if __name__ == "__main__":

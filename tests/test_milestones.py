@@ -53,6 +53,17 @@ def test_table_rows(resumed_run, capsys):
                         "| 1,800 | +2.0 (2) | +4.0 (3) at 0.00M |")
 
 
+def test_returns_at_steps(resumed_run, capsys):
+    steps = [50, 100, 1099, 2000, 2001]
+    m = milestones.milestones(resumed_run, minutes=[], thresholds=[], steps=steps)
+    # Before the first row: nothing yet; past the last row's step: the run stopped short.
+    assert m["at_steps"] == {50: None, 100: -20, 1099: -5, 2000: 18, 2001: None}
+    milestones.main([resumed_run, "--minutes", "10", "--steps", "1e3,3e3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| run | return at 10 minutes | return at 0.001 / 0.003M steps |")
+    assert lines[2].startswith("| run | -5.0 | -5.0 / - |")
+
+
 def test_one_label_per_run(resumed_run, capsys):
     with pytest.raises(SystemExit) as info:
         milestones.main([resumed_run, "--labels", "a,b"])
