@@ -84,7 +84,12 @@ def test_polybeast_refuses_a_nan_reward_naming_the_server(tmp_path):
     assert "for env server 'raw:" in message or "for env server 'unix:" in message, message
     assert "sent a 'reward' with NaN or inf in it (environment" in message, message
     assert "start env servers there" not in message
-    assert "Traceback" not in result.stderr and "[ActorPool]" not in result.stderr
+    assert "Traceback" not in result.stderr
+    # Both streams go bad at about the same step, so the other actor may fail before the
+    # pool closes it: the pool logs that as "failed too", and nothing else.
+    pool_lines = [line for line in result.stderr.splitlines() if "[ActorPool]" in line]
+    assert all("failed too: the env server sent a 'reward'" in line for line in pool_lines), \
+        pool_lines
     assert runlog.read_logs(tmp_path / "runs" / "run" / "logs.csv")
 
 
