@@ -7,17 +7,17 @@ Data path:
     -> full_queue (buffer indices) -> learner threads (V-trace loss, RMSprop)
     -> free_queue (indices back to the actors); new weights -> actor model.
 
-Run `python -m monobeast --help` for the flags.  `--num_actors 0` steps the
-environments in the learner's own process (serial mode, for debuggers).
-`--deterministic` replaces the two queues by a fixed schedule (beast/lockstep.py), so
-that runs with actor processes are reproducible.
+train() below is the whole run, top to bottom. Run `python -m monobeast --help` for the
+flags. `--num_actors 0` steps the environments in the learner's own thread (serial mode,
+for debuggers). `--deterministic` replaces the two queues by a fixed schedule
+(beast/lockstep.py), so that runs with actor processes are reproducible.
 
-The run around the actors (flags, run directory, learner, logs, checkpoints, resume,
-evaluation, --mode test) is beast/training.py, which PolyBeast shares.
+The services the run calls (flags checked, run directory, resume, logs, checkpoints,
+evaluation, --mode test) are beast/training.py, which PolyBeast shares; the loss and the
+update are beast/loss.py and beast/learner.py.
 """
 
 import argparse
-import functools
 import os
 import queue
 import signal
@@ -30,8 +30,8 @@ import torch
 from torch import multiprocessing as mp
 
 from beast import flags as beast_flags
-from beast import models
 from beast import lockstep
+from beast import models
 from beast import restarts
 from beast import rollout
 from beast import system
@@ -46,48 +46,175 @@ def make_parser():
     parser = argparse.ArgumentParser(
         description="MonoBeast: single-machine IMPALA.",
         formatter_class=beast_flags.HelpFormatter)
-    beast_flags.add_common_flags(parser)
+    groups = beast_flags.add_common_flags(parser)
     # Actors and buffers.
-    parser.add_argument("--num_actors", type=beast_flags.Number(int, low=0), default=2,
-                        help="Actor processes; 0 steps the environments in the "
-                             "learner's process (serial mode, for debugging).")
-    parser.add_argument("--envs_per_actor", type=beast_flags.Number(int, low=1), default=None,
-                        help="Environments each actor steps together, with one forward pass "
-                             "for all (default: "
-                             f"{beast_flags.describe_defaults(ENVS_PER_ACTOR)}).")
-    parser.add_argument("--num_buffers", type=beast_flags.Number(int, low=1), default=None,
-                        help="Shared-memory rollout buffers "
-                             "(default: max(2 * num_actors * envs_per_actor, 2 * batch_size); "
-                             "with --deterministic the fewest its schedule needs).")
-    parser.add_argument("--actor_timeout_s", type=beast_flags.Number(float, low=0),
-                        default=30.0,
-                        help="Kill and start the actors again when one has been stepping its "
-                             "environments for this long without finishing a step (a hung "
-                             "environment). 0: never. Not with --deterministic.")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="Reproducible runs with actor processes: every batch comes from "
-                             "a fixed set of rollouts, acted with the weights of a fixed "
-                             "earlier update; one learner thread (costs some speed).")
+    groups.torchbeast.add_argument(
+        "--num_actors", type=beast_flags.Number(int, low=0), default=2,
+        help="Actor processes; 0 steps the environments in the learner's thread (serial mode, "
+             "for debugging).")
+    groups.torchbeast.add_argument(
+        "--num_buffers", type=beast_flags.Number(int, low=1), default=None,
+        help="Shared-memory rollout buffers (default: max(2 * num_actors * envs_per_actor, "
+             "2 * batch_size); with --deterministic the fewest its schedule needs).")
+    groups.environment.add_argument(
+        "--envs_per_actor", type=beast_flags.Number(int, low=1), default=None,
+        help="Environments each actor steps together, with one forward pass for all "
+             f"(default: {beast_flags.describe_defaults(ENVS_PER_ACTOR)}).")
+    groups.run.add_argument(
+        "--deterministic", action="store_true",
+        help="Reproducible runs with actor processes: every batch comes from a fixed set of "
+             "rollouts, acted with the weights of a fixed earlier update; one learner thread "
+             "(costs some speed).")
+    groups.operations.add_argument(
+        "--actor_timeout_s", type=beast_flags.Number(float, low=0), default=30.0,
+        help="Kill and start the actors again when one has been stepping its environments for "
+             "this long without finishing a step (a hung environment). 0: never. Not with "
+             "--deterministic.")
     return parser
 
 
+def check_flags(flags, env):
+    """MonoBeast's own flags that depend on the environment (env: training.EnvSpec): fills
+    the ones left to their defaults; returns the problems found."""
+    if flags.envs_per_actor is None:
+        flags.envs_per_actor = ENVS_PER_ACTOR[env.kind]
+    if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":
+        flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
+    scheduled = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
+    if flags.num_buffers is None:
+        flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
+                                2 * flags.batch_size)
+        if scheduled:
+            flags.num_buffers = lockstep.lockstep_num_buffers(flags)
+    problems = beast_flags.range_problems(flags, make_parser())
+    # With several threads, timing would order the updates.
+    if flags.deterministic and flags.num_learner_threads != 1:
+        problems.append("--deterministic learns in one thread: drop --num_learner_threads "
+                        f"(got {flags.num_learner_threads}) or set it to 1.")
+    if scheduled and flags.num_buffers < lockstep.lockstep_num_buffers(flags):
+        problems.append(f"--deterministic needs --num_buffers of at least "
+                        f"{lockstep.lockstep_num_buffers(flags)} with these --num_actors, "
+                        "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
+                        "raise it or leave it to its default.")
+    if flags.num_buffers < flags.batch_size:
+        problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --batch_size "
+                        f"({flags.batch_size}), or no batch can ever be formed.")
+    if flags.num_actors > 0 and flags.num_buffers < flags.num_actors * flags.envs_per_actor:
+        problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --num_actors x "
+                        f"--envs_per_actor ({flags.num_actors * flags.envs_per_actor}).")
+    return problems
+
+
 # ----------------------------------------------------------------------------
-# Buffers.
+# The run.
 
-def create_buffers(flags, schema):
-    """Shared-memory tensors [T+1, num_buffers, ...], one per field of the rollout
-    schema: index_select on dim 1 gives a time-major batch in one copy."""
-    return schema.shared_zeros((flags.unroll_length + 1, flags.num_buffers))
+def train(flags):
+    """Trains until --total_steps or a stop request; the last checkpoint is written whatever
+    ended it."""
+    with training.Setup(flags, check_flags) as setup:
+        # The actors read the weights from a CPU copy in shared memory, in
+        # --acting_precision; the learner writes it after every update.
+        acting_model = training.build_acting_model(flags, setup.env)
+        acting_model.share_memory()
+        with training.Run(setup, acting_model) as run:
+            buffers = create_buffers(flags, run.schema)
+            state_buffers = create_state_buffers(acting_model, flags.num_buffers)
+            with lockstep.deterministic_kernels(flags.deterministic):
+                if flags.num_actors == 0:
+                    train_serial(run, acting_model, buffers, state_buffers)
+                elif flags.deterministic:
+                    lockstep.train(run, acting_model, buffers, state_buffers, Sampler)
+                else:
+                    train_with_actors(run, acting_model, buffers, state_buffers)
 
 
-def create_state_buffers(model, num_buffers):
-    """The agent's core state before step 0 of each buffer: [num_buffers, L, H]."""
-    return tuple(torch.zeros((num_buffers,) + s[:, 0].shape, dtype=s.dtype).share_memory_()
-                 for s in model.initial_state(1))
+def learn(run, batches):
+    """A learner thread: batch -> update -> record, until total_steps or the end of
+    `batches` (the actors stopped)."""
+    system.set_intra_op_threads(run.flags.num_torch_threads)
+    for batch, initial_agent_state in run.stats.timed(batches):
+        step, stats = run.learner.update(batch, initial_agent_state)
+        run.record(step, stats, batch)  # logs.csv, evaluation snapshots
+        if run.done():
+            return
+
+
+def train_with_actors(run, acting_model, buffers, state_buffers):
+    """Actor processes fill the shared buffers, learner threads learn on them (learn), and
+    this thread watches both and keeps the run's books (status, checkpoints, evaluation).
+
+    When an actor process is killed (beast/restarts.py says when that is a fault to ride
+    out), the queues may be left locked by it (it dies waiting on one, holding its lock),
+    so the whole acting side is started again: the other actors and the learner threads are
+    stopped, the rollouts in flight dropped, and fresh actors act with the learned weights
+    on new queues and freshly seeded environments."""
+    flags = run.flags
+    policy, env_errors = restarts.RestartPolicy(), 0
+    while not run.done() and not run.stop.is_set():
+        actors = ActorProcesses(flags, acting_model, run.learner.weights_step, run.schema,
+                                buffers, state_buffers, policy.restarts, env_errors)
+        batches = iter(lambda: get_batch(flags, actors.full_queue, actors.free_queue,
+                                         buffers, state_buffers, run.device), None)
+        learners = [run.thread(f"learner-{i}", learn, run, batches)
+                    for i in range(flags.num_learner_threads)]
+        for thread in learners:
+            thread.start()
+        died = None
+        try:
+            while run.running(learners):
+                actors.check()  # raises ActorDied for an actor that died or hangs
+                run.housekeeping(env_errors=actors.env_errors())
+        except restarts.ActorDied as e:
+            died = e
+            if died.exitcode > 0:  # it raised: its traceback above shows a bug, not a fault
+                raise training.UserError(str(died)) from None
+            restarts.start_again_or_stop(policy, died, actors.started,
+                                         "The actors are not started again",
+                                         "Starting the actors again")
+        finally:
+            env_errors = actors.stop(learners, kill=died is not None)
+
+
+def train_serial(run, acting_model, buffers, state_buffers):
+    """--num_actors 0: everything in this thread: step the environments, learn, repeat."""
+    flags = run.flags
+    sampler = Sampler(flags, acting_model, run.schema, buffers, state_buffers,
+                      flags.batch_size, seed=flags.seed * 100,
+                      weights_step=run.learner.weights_step)
+    free_queue, full_queue = queue.SimpleQueue(), queue.SimpleQueue()
+    for m in range(flags.num_buffers):
+        free_queue.put(m)
+    try:
+        while not run.done() and not run.stop.is_set():
+            indices = [free_queue.get() for _ in range(flags.batch_size)]
+            sampler.unroll(indices)
+            for index in indices:
+                full_queue.put(index)
+            batch, initial_agent_state = get_batch(flags, full_queue, free_queue, buffers,
+                                                   state_buffers, run.device)
+            step, stats = run.learner.update(batch, initial_agent_state)
+            run.record(step, stats, batch)
+            run.housekeeping(env_errors=sampler.envs.restarts)
+    finally:
+        sampler.close()
+
+
+def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
+    """Takes batch_size filled buffers; returns (batch, initial_agent_state) or None at shutdown."""
+    indices = [full_queue.get() for _ in range(flags.batch_size)]
+    problem = next((i for i in indices if isinstance(i, str)), None)
+    if problem is not None:  # an actor's message (actor): it has stopped
+        raise training.UserError(problem)
+    if any(i is None for i in indices):
+        return None
+    batch, state = rollout.select_batch(buffers, state_buffers, indices)
+    for i in indices:  # The copies above are done: the buffers can be refilled.
+        free_queue.put(i)
+    return rollout.to_device(batch, state, device)
 
 
 # ----------------------------------------------------------------------------
-# Acting.
+# Acting: the actor processes and what they run.
 
 class Sampler:
     """Steps a group of environments in lockstep and writes their rollouts.
@@ -99,13 +226,16 @@ class Sampler:
     """
 
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
-                 error_count=None, name="actor", stepping=None):
+                 error_count=None, name="actor", stepping=None, weights_step=None):
         self.flags = flags
         # Where this actor says since when it has been stepping (time.time(); 0: it is not),
-        # for the learner's watchdog (Acting.check); None: nobody watches.
+        # for the learner's watchdog (ActorProcesses.check); None: nobody watches.
         self.stepping = stepping
         self._stepping(True)
         self.model = model
+        # The learner step of model's weights (learner.Learner.weights_step, int64 []); None:
+        # a model no learner writes to, step 0.
+        self.weights_step = weights_step
         self.num_envs = num_envs
         self.buffers = {k: v.numpy() for k, v in buffers.items()}
         self.state_buffers = state_buffers
@@ -143,7 +273,7 @@ class Sampler:
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
         self.state_before = self.agent_state
         # Before the forward pass: the learner may write newer weights during it.
-        weights_step = training.weights_step(self.model)
+        weights_step = 0 if self.weights_step is None else int(self.weights_step)
         output, self.agent_state = models.act(self.model, inputs, self.agent_state)
         agent_output = {k: output[k][0].numpy() for k in self.model_keys}
         agent_output[rollout.POLICY_STEP.name] = np.full(self.num_envs, weights_step, np.int64)
@@ -180,12 +310,13 @@ class Sampler:
         self.envs.close()
 
 
-def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
-              error_count, times_restarted=0, stepping=None):
-    """Actor process: takes free buffer indices, fills them, hands them on.
-    times_restarted: how often the actors were started again (train_loop): new seeds
-    each time.
-    stepping: the shared value the actor's Sampler writes for the watchdog."""
+def actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
+          error_count, times_restarted=0, stepping=None, weights_step=None):
+    """An actor process: takes free buffer indices, fills them, hands them on.
+    times_restarted: how often the actors were started again (train_with_actors): new
+    seeds each time.
+    stepping: the shared value the actor's Sampler writes for the watchdog.
+    weights_step: the learner step of model's weights (learner.Learner.weights_step)."""
     system.leave_stop_signals_to_the_learner()
     system.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
@@ -198,7 +329,7 @@ def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers
         sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
                           seed=flags.seed * 100 + actor_index + 1_000_003 * times_restarted,
                           error_count=error_count, name=f"actor {actor_index}",
-                          stepping=stepping)
+                          stepping=stepping, weights_step=weights_step)
         while True:
             indices = []
             for _ in range(flags.envs_per_actor):
@@ -216,167 +347,61 @@ def run_actor(actor_index, flags, free_queue, full_queue, model, schema, buffers
             sampler.close()
 
 
-# ----------------------------------------------------------------------------
-# Learning.
+class ActorProcesses:
+    """One start of the actor processes and the two queues between them and the learner:
+    free_queue (buffer indices to fill) and full_queue (filled ones)."""
 
-def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
-    """Takes batch_size filled buffers; returns (batch, initial_agent_state) or None at shutdown."""
-    indices = [full_queue.get() for _ in range(flags.batch_size)]
-    problem = next((i for i in indices if isinstance(i, str)), None)
-    if problem is not None:  # an actor's message (run_actor): it has stopped
-        raise training.UserError(problem)
-    if any(i is None for i in indices):
-        return None
-    batch, state = rollout.select_batch(buffers, state_buffers, indices)
-    for i in indices:  # The copies above are done: the buffers can be refilled.
-        free_queue.put(i)
-    return rollout.to_device(batch, state, device)
-
-
-
-
-
-
-# ----------------------------------------------------------------------------
-# What MonoBeast plugs into the run skeleton of beast/training.py.
-
-def check_flags(flags, info):
-    """MonoBeast's own env-dependent flags; returns the problems found."""
-    if flags.envs_per_actor is None:
-        flags.envs_per_actor = ENVS_PER_ACTOR[info["kind"]]
-    if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":
-        flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
-    scheduled = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
-    if flags.num_buffers is None:
-        flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
-                                2 * flags.batch_size)
-        if scheduled:
-            flags.num_buffers = lockstep.lockstep_num_buffers(flags)
-    problems = beast_flags.range_problems(flags, make_parser())
-    # With several threads, timing would order the updates.
-    if flags.deterministic and flags.num_learner_threads != 1:
-        problems.append("--deterministic learns in one thread: drop --num_learner_threads "
-                        f"(got {flags.num_learner_threads}) or set it to 1.")
-    if scheduled and flags.num_buffers < lockstep.lockstep_num_buffers(flags):
-        problems.append(f"--deterministic needs --num_buffers of at least "
-                        f"{lockstep.lockstep_num_buffers(flags)} with these --num_actors, "
-                        "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
-                        "raise it or leave it to its default.")
-    if flags.num_buffers < flags.batch_size:
-        problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --batch_size "
-                        f"({flags.batch_size}), or no batch can ever be formed.")
-    if flags.num_actors > 0 and flags.num_buffers < flags.num_actors * flags.envs_per_actor:
-        problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --num_actors x "
-                        f"--envs_per_actor ({flags.num_actors * flags.envs_per_actor}).")
-    return problems
-
-
-def acting_model(flags, info, model):
-    """Actors read the weights from a CPU copy in shared memory (in --acting_precision)."""
-    shared = training.build_acting_model(flags, info)
-    shared.share_memory()
-    return shared
-
-
-def train_loop(run, model, environments):
-    """Actor processes fill the shared buffers (run_actor); learner threads in this process
-    learn on them (Acting starts both), while this thread supervises. --num_actors 0 steps
-    and learns in this thread (train_serial); --deterministic keeps the actors and the
-    learner on a fixed schedule (beast/lockstep.py).
-
-    When an actor process is killed (beast/restarts.py says when that is a fault to ride
-    out), the queues may be left locked by it (it dies waiting on one, holding its lock),
-    so the whole acting side is started again: the other actors and the learner threads are
-    stopped, the rollouts in flight dropped, and fresh actors act with the learned weights
-    on new queues and freshly seeded environments."""
-    flags = run.flags
-    buffers = create_buffers(flags, run.schema)
-    state_buffers = create_state_buffers(model, flags.num_buffers)
-    if flags.num_actors == 0 or flags.deterministic:
-        with lockstep.deterministic_kernels(flags.deterministic):
-            if flags.num_actors == 0:
-                return train_serial(run, model, buffers, state_buffers)
-            return lockstep.train(run, model, buffers, state_buffers, Sampler)
-    policy, env_errors = restarts.RestartPolicy(), 0
-    while True:
-        acting = Acting(run, model, buffers, state_buffers, policy.restarts, env_errors)
-        died = None
-        try:
-            run.supervise(acting.threads, acting.check, env_errors=acting.env_errors)
-            return
-        except restarts.ActorDied as e:
-            died = e
-            if died.exitcode > 0:  # it raised: its traceback shows a bug, not a fault
-                raise training.UserError(str(died)) from None
-            why_not = policy.why_not(time.monotonic() - acting.started)
-            if why_not is not None:
-                raise training.UserError(f"{died} The actors are not started again: "
-                                         f"{why_not}.") from None
-            print(f"\nwarning: {died} Starting the actors again (restart {policy.restarts}); "
-                  "the rollouts in flight are dropped, the weights kept.", file=sys.stderr)
-        finally:
-            env_errors = acting.stop(kill=died is not None)
-
-
-class Acting:
-    """One start of the actor processes, their queues and the learner threads."""
-
-    def __init__(self, run, model, buffers, state_buffers, times_restarted=0, env_errors=0):
-        flags = self.flags = run.flags
+    def __init__(self, flags, acting_model, weights_step, schema, buffers, state_buffers,
+                 times_restarted=0, env_errors=0):
+        self.flags = flags
         ctx = mp.get_context("fork")
         self.free_queue, self.full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
         self.error_count = ctx.Value("i", 0)
         self.env_errors_before = env_errors
         # Lock-free: one writer each, and a killed actor must not leave a lock held.
         self.stepping = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
-        self.actors = [
-            ctx.Process(target=run_actor, name=f"actor-{i}", daemon=True,
-                        args=(i, flags, self.free_queue, self.full_queue, model, run.schema,
+        self.processes = [
+            ctx.Process(target=actor, name=f"actor-{i}", daemon=True,
+                        args=(i, flags, self.free_queue, self.full_queue, acting_model, schema,
                               buffers, state_buffers, self.error_count, times_restarted,
-                              self.stepping[i]))
+                              self.stepping[i], weights_step))
             for i in range(flags.num_actors)]
         self.started = time.monotonic()
-        for process in self.actors:
+        for process in self.processes:
             process.start()
         for m in range(flags.num_buffers):
             self.free_queue.put(m)
-        batches = iter(lambda: get_batch(flags, self.full_queue, self.free_queue, buffers,
-                                         state_buffers, run.device), None)
-        self.threads = [run.errors.thread(f"learner-{i}", run.learner_thread, batches)
-                        for i in range(flags.num_learner_threads)]
-        for thread in self.threads:
-            thread.start()
 
     def check(self):
         """Raises ActorDied for an actor that died, or that hangs (it is killed first)."""
-        restarts.check_actors(self.actors)
+        restarts.check_actors(self.processes)
         timeout = self.flags.actor_timeout_s
         for i, since in enumerate(value.value for value in self.stepping):
             if timeout > 0 and since > 0 and time.time() - since > timeout:
-                self.actors[i].kill()
+                self.processes[i].kill()
                 raise restarts.ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
 
     def env_errors(self):
         # Without the counter's lock: a killed actor may have held it.
         return self.env_errors_before + self.error_count.get_obj().value
 
-    def stop(self, kill=False):
-        """Stops the actors and the learner threads; returns the environment errors so far.
-        kill: after an actor died, the others are killed rather than asked, since the dead
-        one may hold the lock of the queue they wait on."""
+    def stop(self, learner_threads, kill=False):
+        """Stops the actors and the learner threads that take their batches; returns the
+        environment errors so far. kill: after an actor died, the others are killed rather
+        than asked, since the dead one may hold the lock of the queue they wait on."""
         flags = self.flags
         if kill:
-            for process in self.actors:
+            for process in self.processes:
                 process.kill()
         else:  # the actors first, so no one waits on a queue that nobody feeds
             for _ in range(flags.num_actors * flags.envs_per_actor):
                 self.free_queue.put(None)
-        for _ in self.threads:
+        for _ in learner_threads:
             for _ in range(flags.batch_size):
                 put_unlocked(self.full_queue, None)
-        for thread in self.threads:
+        for thread in learner_threads:
             thread.join(timeout=60)
-        restarts.join_actors(self.actors)
+        restarts.join_actors(self.processes)
         return self.env_errors()
 
 
@@ -388,32 +413,32 @@ def put_unlocked(simple_queue, item):
     simple_queue._writer.send_bytes(ForkingPickler.dumps(item))
 
 
-def train_serial(run, model, buffers, state_buffers):
-    """Everything in this process and thread: step, learn, repeat."""
-    flags = run.flags
-    sampler = Sampler(flags, model, run.schema, buffers, state_buffers, flags.batch_size,
-                      seed=flags.seed * 100)
-    free_queue, full_queue = queue.SimpleQueue(), queue.SimpleQueue()
-    for m in range(flags.num_buffers):
-        free_queue.put(m)
-    try:
-        while not run.done() and not run.stop.is_set():
-            indices = [free_queue.get() for _ in range(flags.batch_size)]
-            sampler.unroll(indices)
-            for index in indices:
-                full_queue.put(index)
-            run.learn(*get_batch(flags, full_queue, free_queue, buffers, state_buffers,
-                                 run.device))
-            run.housekeeping(env_errors=sampler.envs.restarts)
-    finally:
-        sampler.close()
+# ----------------------------------------------------------------------------
+# Buffers.
+
+def create_buffers(flags, schema):
+    """Shared-memory tensors [T+1, num_buffers, ...], one per field of the rollout
+    schema: index_select on dim 1 gives a time-major batch in one copy."""
+    return schema.shared_zeros((flags.unroll_length + 1, flags.num_buffers))
 
 
-VARIANT = training.Variant(make_parser=make_parser, check_flags=check_flags,
-                           acting_model=acting_model, train_loop=train_loop)
+def create_state_buffers(model, num_buffers):
+    """The agent's core state before step 0 of each buffer: [num_buffers, L, H]."""
+    return tuple(torch.zeros((num_buffers,) + s[:, 0].shape, dtype=s.dtype).share_memory_()
+                 for s in model.initial_state(1))
 
 
-main = functools.partial(training.main, VARIANT)  # main(argv=None) -> exit code
+# ----------------------------------------------------------------------------
+# The command line.
+
+def test(flags):
+    """--mode test: plays --test_episodes with the run's checkpoint."""
+    return training.test(flags, check_flags)
+
+
+def main(argv=None):
+    """Runs --mode train or test; returns the exit code (2 for a problem the user can fix)."""
+    return training.run_command(train, test, training.parse_flags(make_parser(), argv))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ import numpy as np
 from beast import flags as beast_flags
 from beast import restarts
 from beast import tls
-from beast.flags import is_loopback, socket_path, split_host_port
+from beast.poly import addresses
+from beast.poly.addresses import is_loopback, socket_path, split_host_port
 
 PARENT_POLL_S = 0.5  # how often a server looks whether polybeast_env still runs
 STREAM_SLOTS = 64  # streams per server whose steps are timed (more go unwatched)
@@ -110,7 +111,7 @@ def server_address(flags, index):
         raise ValueError(f"--pipes_basename must be unix:PATH or raw:PATH, got "
                          f"{flags.pipes_basename!r}; use --address HOST:PORT for TCP")
     address = f"{flags.pipes_basename}.{index}"
-    problem = beast_flags.socket_path_problem(address)
+    problem = addresses.socket_path_problem(address)
     if problem:
         raise ValueError(f"--pipes_basename: {problem}")
     return address
@@ -127,7 +128,7 @@ def resolve_env_flags(flags):
     from beast import envs  # here: importing polybeast_env stays free of gymnasium
 
     info = envs.env_info(flags)
-    return beast_flags.apply_env_defaults(flags, info, names=beast_flags.env_flag_names())
+    return beast_flags.apply_env_defaults(flags, info["kind"], names=beast_flags.env_flag_names())
 
 
 class EnvFactory:

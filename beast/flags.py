@@ -15,7 +15,6 @@ import argparse
 import functools
 import importlib.util
 import math
-import os
 
 from beast import machine
 
@@ -299,22 +298,23 @@ def range_problems(flags, parser):
     return problems
 
 
-def add_env_flags(parser):
+def add_env_flags(parser, group=None):
     """Adds the flags that decide which environments create_env makes (beast/envs.py). Shared by
-    the learners and polybeast_env; see env_flag_args."""
-    # Environment.
+    the learners and polybeast_env; see env_flag_args. --env goes to `parser`, the others to
+    `group` (an argument group of it; default: parser too)."""
     parser.add_argument("--env", type=str, default="CartPole-v1",
                         help="Gymnasium environment id, e.g. CartPole-v1, ALE/Pong-v5, "
                              "PongNoFrameskip-v4, MinAtar/Breakout-v1.")
-    parser.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
-                        help="Who steps the environments (envpool: Atari ids only).")
-    parser.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=None,
-                        help="Atari: end training episodes at each life lost (the logged return "
-                             f"stays the whole game's) (default: {_env_default('episodic_life')}).")
-    parser.add_argument("--repeat_action_probability", type=Number(float, 0, 1), default=None,
-                        help="Atari sticky actions: the probability that the emulator repeats the "
-                             "previous action instead of the chosen one (default: the id's own "
-                             "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
+    group = parser if group is None else group
+    group.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
+                       help="Who steps the environments (envpool: Atari ids only).")
+    group.add_argument("--episodic_life", action=argparse.BooleanOptionalAction, default=None,
+                       help="Atari: end training episodes at each life lost (the logged return "
+                            f"stays the whole game's) (default: {_env_default('episodic_life')}).")
+    group.add_argument("--repeat_action_probability", type=Number(float, 0, 1), default=None,
+                       help="Atari sticky actions: the probability that the emulator repeats the "
+                            "previous action instead of the chosen one (default: the id's own "
+                            "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
     return parser
 
 
@@ -352,18 +352,29 @@ def env_flag_args(flags):
 
 
 def add_common_flags(parser):
-    """Adds every flag that both variants understand to `parser`, in groups."""
-    add_env_flags(parser)
-    _add_run_flags(parser.add_argument_group("run"))
-    _add_learner_flags(parser.add_argument_group("learner"))
-    group = parser.add_argument_group("model, loss and optimizer")
-    _add_loss_flags(group)
-    _add_optimizer_flags(group)
-    _add_logging_flags(parser.add_argument_group("logging, checkpoints, evaluation"))
-    return parser
+    """Adds every flag that both variants understand to `parser`, in argument groups created
+    in the order --help shows them: first the flags a TorchBeast user knows, then the rest by
+    topic, the operations last. Returns the groups (an argparse.Namespace: torchbeast,
+    environment, run, model, logging, operations), where a variant adds its own flags."""
+    groups = argparse.Namespace(
+        torchbeast=parser.add_argument_group("TorchBeast's flags"),
+        environment=parser.add_argument_group("environment"),
+        run=parser.add_argument_group("run"),
+        model=parser.add_argument_group("model, loss and optimizer"),
+        logging=parser.add_argument_group("logging, checkpoints, evaluation"),
+        operations=parser.add_argument_group(
+            "operations (threads, timeouts, processes, limits)"))
+    add_env_flags(groups.torchbeast, groups.environment)
+    _add_run_flags(groups)
+    _add_learner_flags(groups)
+    _add_loss_flags(groups)
+    _add_optimizer_flags(groups)
+    _add_logging_flags(groups.logging)
+    return groups
 
 
-def _add_run_flags(group):
+def _add_run_flags(groups):
+    group = groups.torchbeast
     group.add_argument("--mode", default="train", choices=["train", "test"],
                        help="Train a model, or load the run's checkpoint and "
                             "play --test_episodes episodes.")
@@ -375,11 +386,12 @@ def _add_run_flags(group):
                             "(default: a new time stamp).")
     group.add_argument("--savedir", default="~/logs/beast",
                        help="Root directory; a run writes to savedir/xpid/.")
-    group.add_argument("--seed", type=Number(int, low=0), default=0,
-                       help="Seed for the model, the environments and sampling.")
+    groups.run.add_argument("--seed", type=Number(int, low=0), default=0,
+                            help="Seed for the model, the environments and sampling.")
 
 
-def _add_learner_flags(group):
+def _add_learner_flags(groups):
+    group = groups.torchbeast
     group.add_argument("--total_steps", type=Number(int, low=1), default=None,
                        help="Environment steps to train for; the learning rate decays "
                             "linearly to 0 here. The schedule is a function of the step and "
@@ -395,6 +407,7 @@ def _add_learner_flags(group):
                        help="Learner threads that take batches and update the model.")
     group.add_argument("--disable_cuda", action="store_true",
                        help="Train on the CPU even when a GPU is present.")
+    group = groups.run
     group.add_argument("--precision", default=None, choices=PRECISIONS,
                        help="Learner forward pass precision (V-trace and losses stay fp32); "
                             "auto: bf16 where the learner runs on a CPU with bf16 "
@@ -410,6 +423,7 @@ def _add_learner_flags(group):
                             "has bf16 instructions (AMX, AVX-512 BF16), slow where not; auto "
                             "as for --precision "
                             f"(default: {_env_default('acting_precision')}).")
+    group = groups.operations
     group.add_argument("--max_nonfinite_updates", type=Number(int, low=1), default=10,
                        help="Learner updates in a row whose loss or gradient is not finite "
                             "(each is skipped, the weights never see it) before the run stops.")
@@ -419,25 +433,30 @@ def _add_learner_flags(group):
                             "MonoBeast and in PolyBeast with local servers; else all cores).")
 
 
-def _add_loss_flags(group):
-    group.add_argument("--model", default=None, choices=["atari", "resnet", "small", "mlp"],
-                       help="Network: TorchBeast's Atari net, the IMPALA ResNet, the "
-                            "MinAtar paper's small conv net (for small frames), or an MLP "
+def _add_loss_flags(groups):
+    group, torchbeast = groups.model, groups.torchbeast
+    # Imported here, not at the top: env servers import this module and start without torch.
+    from beast import models
+
+    networks = "; ".join(f"{name}: {(net.__doc__ or net.__name__).splitlines()[0].rstrip('.')}"
+                         for name, net in models.MODELS.items())
+    group.add_argument("--model", default=None, choices=list(models.MODELS),
+                       help=f"Network, one of beast/models.py MODELS ({networks}) "
                             f"(default: {_env_default('model')}).")
     group.add_argument("--init", default=None, choices=["torch", "orthogonal"],
                        help="Initial weights: PyTorch's default, or orthogonal weights and "
                             "zero biases as OpenAI's baselines draw them, see "
                             "beast/models.py init_orthogonal "
                             f"(default: {_env_default('init')}).")
-    group.add_argument("--use_lstm", action="store_true",
-                       help="Add an LSTM core to the model.")
+    torchbeast.add_argument("--use_lstm", action="store_true",
+                            help="Add an LSTM core to the model.")
     group.add_argument("--hidden_size", type=Number(int, low=1), default=None,
                        help="Width of the MLP's hidden layers and of the small net's fc "
                             f"(default: {_env_default('hidden_size')}).")
-    group.add_argument("--entropy_cost", type=Number(float, low=0), default=None,
-                       help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
-    group.add_argument("--baseline_cost", type=Number(float, low=0), default=0.5,
-                       help="Baseline (value) cost.")
+    torchbeast.add_argument("--entropy_cost", type=Number(float, low=0), default=None,
+                            help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
+    torchbeast.add_argument("--baseline_cost", type=Number(float, low=0), default=0.5,
+                            help="Baseline (value) cost.")
     group.add_argument("--pg_clip", type=Number(float, low=0), default=None,
                        help="Trust region of the policy gradient: a sample whose probability "
                             "ratio pi/mu has left [1 - pg_clip, 1 + pg_clip] on the side its "
@@ -450,45 +469,46 @@ def _add_loss_flags(group):
                             "batch: mean takes the batch's mean out (common to every action "
                             "taken, it tells none apart), mean_std also divides by their "
                             "standard deviation, as PPO does.")
-    group.add_argument("--discounting", type=Number(float, 0, 1), default=None,
-                       help=f"Discount factor (default: {_env_default('discounting')}).")
-    group.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
-                       help="Clip rewards to [-1, 1] for learning "
-                            f"(default: {_env_default('reward_clipping')}).")
+    torchbeast.add_argument("--discounting", type=Number(float, 0, 1), default=None,
+                            help=f"Discount factor (default: {_env_default('discounting')}).")
+    torchbeast.add_argument("--reward_clipping", default=None, choices=["abs_one", "none"],
+                            help="Clip rewards to [-1, 1] for learning "
+                                 f"(default: {_env_default('reward_clipping')}).")
     group.add_argument("--reward_scale", type=Number(float, above=0), default=None,
                        help="Multiply rewards by this for learning, before --reward_clipping; "
                             "the logged returns stay the environment's "
                             f"(default: {_env_default('reward_scale')}).")
 
 
-def _add_optimizer_flags(group):
+def _add_optimizer_flags(groups):
     # RMSprop, as in TorchBeast.
-    group.add_argument("--learning_rate", type=Number(float, above=0), default=None,
-                       help="Initial learning rate, decayed linearly to 0 at total_steps "
-                            f"(default: {_env_default('learning_rate')}).")
+    group, torchbeast = groups.model, groups.torchbeast
+    torchbeast.add_argument("--learning_rate", type=Number(float, above=0), default=None,
+                            help="Initial learning rate, decayed linearly to 0 at total_steps "
+                                 f"(default: {_env_default('learning_rate')}).")
     group.add_argument("--lr_warmup_steps", type=Number(int, low=0), default=None,
                        help="Environment steps over which the learning rate rises linearly "
                             "from 0 to --learning_rate before it decays; 0: none "
                             f"(default: {_env_default('lr_warmup_steps')}).")
-    group.add_argument("--alpha", type=Number(float, 0, 1), default=0.99,
-                       help="RMSprop smoothing constant.")
-    group.add_argument("--momentum", type=Number(float, low=0, below=1), default=0.0,
-                       help="RMSprop momentum.")
-    group.add_argument("--epsilon", type=Number(float, above=0), default=None,
-                       help="RMSprop epsilon, added to the root of each parameter's running "
-                            "mean square; it bounds the step of a parameter whose gradients "
-                            f"were near zero (default: {_env_default('epsilon')}).")
+    torchbeast.add_argument("--alpha", type=Number(float, 0, 1), default=0.99,
+                            help="RMSprop smoothing constant.")
+    torchbeast.add_argument("--momentum", type=Number(float, low=0, below=1), default=0.0,
+                            help="RMSprop momentum.")
+    torchbeast.add_argument("--epsilon", type=Number(float, above=0), default=None,
+                            help="RMSprop epsilon, added to the root of each parameter's running "
+                                 "mean square; it bounds the step of a parameter whose gradients "
+                                 f"were near zero (default: {_env_default('epsilon')}).")
     group.add_argument("--epochs", type=Number(int, low=1), default=1,
                        help="Updates per batch: the learner passes over each batch this many "
                             "times, V-trace recomputed under its weights of the moment, as "
                             "PPO's epochs reuse a batch; pair it with --pg_clip, which keeps "
                             "the later passes from carrying the policy far from the one that "
                             "acted; 1: IMPALA's one pass.")
-    group.add_argument("--grad_norm_clipping", type=Number(float, above=0, infinite=True),
-                       default=None,
-                       help="Clip the global gradient norm (of the loss summed over T x B) "
-                            "to this value; inf: no clipping "
-                            f"(default: {_env_default('grad_norm_clipping')}).")
+    torchbeast.add_argument("--grad_norm_clipping", type=Number(float, above=0, infinite=True),
+                            default=None,
+                            help="Clip the global gradient norm (of the loss summed over T x B) "
+                                 "to this value; inf: no clipping "
+                                 f"(default: {_env_default('grad_norm_clipping')}).")
 
 
 def _add_logging_flags(group):
@@ -541,18 +561,17 @@ def _add_video_and_wandb_flags(group):
                             "(default: W&B's own choice, or the WANDB_MODE variable).")
 
 
-def apply_env_defaults(flags, info, table=ENV_DEFAULTS, names=None):
+def apply_env_defaults(flags, kind, table=ENV_DEFAULTS, names=None):
     """Fills the flags left at None with the defaults of this kind of environment.
 
     Args:
       flags: the parsed argparse.Namespace; changed in place.
-      info: dict from beast.envs.env_info; reads info["kind"] (a key of KIND_LABELS).
+      kind: the kind of environment (beast.envs.env_info's "kind", a key of KIND_LABELS).
       table: {kind: {flag: value}}; ENV_DEFAULTS, or a script's own table of the same shape.
       names: fill only these flags (e.g. env_flag_names() for an env server); None: all of
         the table's.
     Returns flags. Raises ValueError for an unknown kind.
     """
-    kind = info["kind"]
     if kind not in KIND_LABELS:
         raise ValueError(f"unknown environment kind {kind!r}; expected one of "
                          f"{', '.join(KIND_LABELS)}")
@@ -582,8 +601,9 @@ def validate_flags(flags, extra_problems=(), parser=None):
 def common_parser():
     """A parser of the flags both learners understand (add_common_flags), built once: for
     code that needs their defaults without a learner's command line (benchmarks, tests)."""
-    return add_common_flags(argparse.ArgumentParser(add_help=False,
-                                                    formatter_class=HelpFormatter))
+    parser = argparse.ArgumentParser(add_help=False, formatter_class=HelpFormatter)
+    add_common_flags(parser)
+    return parser
 
 
 def video_and_wandb_problems(flags):
@@ -706,86 +726,3 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                 or action.default is argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
-
-
-# ---------------------------------------------------------------------------------------------
-# Env server addresses: "unix:PATH" (this machine only) or "HOST:PORT" / "tcp:HOST:PORT" (TCP).
-
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
-
-
-def split_host_port(address):
-    """"tcp:HOST:PORT" or "HOST:PORT" -> (HOST, PORT as int); an IPv6 HOST is written [::1].
-    Raises ValueError for anything else, unix:PATH included."""
-    text = address[len("tcp:"):] if address.startswith("tcp:") else address
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected a TCP address HOST:PORT, got {address!r}")
-    return host, int(port)
-
-
-# Env server addresses that are a unix socket file: "unix:" is gRPC over it, "raw:" our
-# framing without gRPC (csrc/raw_socket.h), which only our servers and learner speak.
-SOCKET_SCHEMES = ("unix:", "raw:")
-
-
-# A unix socket's path is held in sockaddr_un.sun_path: 108 bytes on Linux, one of them the
-# final NUL. A longer path fails deep in gRPC or the raw transport; we say so up front.
-MAX_SOCKET_PATH_BYTES = 107
-
-
-def socket_path(address):
-    """The socket file of a unix:PATH or raw:PATH address; None for any other address."""
-    for scheme in SOCKET_SCHEMES:
-        if address.startswith(scheme):
-            return address[len(scheme):]
-    return None
-
-
-def socket_path_problem(address):
-    """What makes a unix:PATH or raw:PATH address unusable (no path, or one longer than a unix
-    socket can hold), as a sentence; None when it is fine or not a socket address."""
-    path = socket_path(address)
-    if path is None:
-        return None
-    if not path:
-        return f"{address!r} names no socket path: give {address}PATH"
-    size = len(os.fsencode(path))
-    if size > MAX_SOCKET_PATH_BYTES:
-        return (f"the socket path of {address!r} is {size} bytes, and a unix socket's path "
-                f"holds at most {MAX_SOCKET_PATH_BYTES}: choose a shorter directory")
-    return None
-
-
-def is_loopback(address):
-    """Whether only this machine can reach `address` (unix:PATH, raw:PATH, or a loopback
-    HOST:PORT). Raises ValueError for an address that is none of these."""
-    if socket_path(address) is not None:
-        return True
-    host, _ = split_host_port(address)
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
-
-
-def parse_address_list(text):
-    """A comma-separated --server_addresses value -> a list of addresses: "unix:PATH" and
-    "raw:PATH" as given, "HOST:PORT" with a "tcp:" prefix dropped. Blank entries (a trailing
-    comma) are skipped. Raises ValueError naming the first bad entry, or for a list with no
-    address."""
-    addresses = []
-    for entry in (part.strip() for part in text.split(",")):
-        if not entry:
-            continue
-        if socket_path(entry) is not None:
-            problem = socket_path_problem(entry)
-            if problem:
-                raise ValueError(problem)
-            addresses.append(entry)
-            continue
-        try:
-            host, port = split_host_port(entry)
-        except ValueError:
-            raise ValueError(f"{entry!r} is neither unix:PATH, raw:PATH nor HOST:PORT") from None
-        addresses.append(f"{host}:{port}")
-    if not addresses:
-        raise ValueError(f"no address in {text!r}: give unix:PATH or HOST:PORT, comma-separated")
-    return addresses

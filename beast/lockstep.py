@@ -1,5 +1,5 @@
 """--deterministic: MonoBeast's actors and learner on a fixed schedule, so that a run
-with actor processes is reproducible (monobeast.train_loop picks it).
+with actor processes is reproducible (monobeast.train picks it).
 
 Without it, timing decides which rollouts form a batch and which weights an actor acts
 with. Here the Lockstep schedule fixes both; everything else (the Sampler that steps the
@@ -160,17 +160,17 @@ def lockstep_num_buffers(flags):
     return 2 * per_round + flags.batch_size - math.gcd(per_round, flags.batch_size)
 
 
-def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
+def act_in_lockstep(actor_index, flags, lockstep, shared_model, shared_step, schema, buffers,
                     state_buffers, sampler_class):
     """Actor process of a --deterministic run: round after round, waits for the round's
-    version of the weights, copies it and fills the round's buffers with a sampler_class
-    (monobeast.Sampler)."""
+    version of the weights, copies it (and shared_step, the learner step it is of) and fills
+    the round's buffers with a sampler_class (monobeast.Sampler)."""
     system.leave_stop_signals_to_the_learner()
     system.name_os_thread(f"actor-{actor_index}")
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index)
     # Its own copy (version 0 now): the learner writes the next version while this one acts.
-    model = copy.deepcopy(shared_model)
+    model, weights_step = copy.deepcopy(shared_model), shared_step.clone()
     learner_pid = os.getppid()
 
     def orphaned():  # the learner's process is gone (killed before it could close)
@@ -181,14 +181,14 @@ def act_in_lockstep(actor_index, flags, lockstep, shared_model, schema, buffers,
         # Restarts are counted per actor (error_count None): their seeds follow the schedule.
         sampler = sampler_class(flags, model, schema, buffers, state_buffers,
                                 flags.envs_per_actor, seed=flags.seed * 100 + actor_index,
-                                name=f"actor {actor_index}")
+                                name=f"actor {actor_index}", weights_step=weights_step)
         for k in itertools.count():
             version = lockstep.weights_for_round(k)
             if not lockstep.wait(actor_index, lambda: lockstep.version.value >= version,
                                  give_up=orphaned):
                 return
             model.load_state_dict(shared_model.state_dict())
-            model.weights_step.copy_(shared_model.weights_step)
+            weights_step.copy_(shared_step)
             if not lockstep.advance(lockstep.taken, actor_index, k + 1, orphaned):
                 return
             indices = lockstep.round_buffers(actor_index, k)
@@ -209,22 +209,22 @@ def train(run, model, buffers, state_buffers, sampler_class):
     thread (learn_in_lockstep); this thread only waits for it and for a stop request.
     sampler_class: what steps an actor's environments (monobeast.Sampler).
 
-    model: the shared-memory acting model, which run.learn writes after each update
+    model: the shared-memory acting model, which run.learner writes after each update
     (Learner.update): the schedule's next version, published by advancing the counter.
     """
     flags = run.flags
     ctx = mp.get_context("fork")
     lockstep = Lockstep(ctx, flags)
     actors = [ctx.Process(target=act_in_lockstep, name=f"actor-{i}", daemon=True,
-                          args=(i, flags, lockstep, model, run.schema, buffers, state_buffers,
-                                sampler_class))
+                          args=(i, flags, lockstep, model, run.learner.weights_step,
+                                run.schema, buffers, state_buffers, sampler_class))
               for i in range(flags.num_actors)]
     for process in actors:
         process.start()
     # Not in this thread: the main thread waits for signals, and torch's intra-op threads
     # ran the learner's small ops slower from the main thread than from another one.
-    learner = run.errors.thread("learner", learn_in_lockstep, run, lockstep, actors,
-                                buffers, state_buffers)
+    learner = run.thread("learner", learn_in_lockstep, run, lockstep, actors, buffers,
+                         state_buffers)
     learner.start()
     try:
         while learner.is_alive():
@@ -263,8 +263,9 @@ def learn_in_lockstep(run, lockstep, actors, buffers, state_buffers):
         indices = [r % flags.num_buffers for r in rollouts]
         for r, m in zip(rollouts, indices):
             env_restarts[lockstep.actor_of(r)] = lockstep.restarts[m]
-        run.learn(*rollout.to_device(*rollout.select_batch(buffers, state_buffers, indices),
-                                       run.device))
+        batch, initial_agent_state = rollout.to_device(
+            *rollout.select_batch(buffers, state_buffers, indices), run.device)
+        run.record(*run.learner.update(batch, initial_agent_state), batch)
         update += 1
         if not lockstep.advance(lockstep.version, None, update, give_up):
             break

@@ -10,8 +10,11 @@ row, rather than a loop of restarts. The other way round, a process whose parent
 
 import os
 import signal
+import sys
 import threading
 import time
+
+from beast import training
 
 QUICK_EXIT_S = 5.0
 MAX_QUICK_RESTARTS = 3
@@ -93,3 +96,16 @@ def join_actors(actors, timeout_s=10.0):
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+
+
+
+def start_again_or_stop(policy, died, started, not_again, again):
+    """After a process died (`died`, its ActorDied or like error): prints the warning that it is
+    started again, or raises the UserError that ends the run. started: its time.monotonic() at
+    the start; not_again, again: the two sentences' openings ("The actors are not started
+    again", "Starting the actors again")."""
+    why_not = policy.why_not(time.monotonic() - started)
+    if why_not is not None:
+        raise training.UserError(f"{died} {not_again}: {why_not}.") from None
+    print(f"\nwarning: {died} {again} (restart {policy.restarts}); the rollouts in flight are "
+          "dropped, the weights kept.", file=sys.stderr)

@@ -44,8 +44,8 @@ def add_server_flags(parser):
                             "it, any client that trusts the server's certificate connects.")
 
 
-def add_learner_flags(parser):
-    group = parser.add_argument_group("TLS (env servers on other machines)")
+def add_learner_flags(group):
+    """The learner's TLS flags, added to `group` (an argument group, or a parser)."""
     group.add_argument("--tls_ca", default=None,
                        help="Talk TLS to the env servers of --server_addresses, checking that "
                             "their certificates are signed by this CA (a PEM file) and made out "

@@ -1,21 +1,17 @@
-"""The run skeleton that MonoBeast and PolyBeast share.
+"""The services a training run needs, called from each entry script's train().
 
-A variant (monobeast.py, polybeast.py) keeps only what is its own: how actors
-produce rollouts and how they reach the learner threads. Everything around
-that is here, written once:
+    with training.Setup(flags, check_flags) as setup:   every flag checked, the run
+                                                         directory claimed, a resume read,
+                                                         signals, seeds, learner ranks
+        acting_model = ...                               the entry script's own
+        with training.Run(setup, acting_model) as run:   the learner (learner.Learner),
+                                                         logs, evaluation, status line;
+                                                         on exit the last checkpoint
+            ... actors -> batches -> run.learner.update -> run.record
+            while run.running(threads): run.housekeeping()   status, checkpoints,
+                                                              evaluation, stop requests
 
-    main -> train(flags, variant)
-              prepare_run: every flag checked, then the run directory; a resumed run's
-                   flags and checkpoint
-              start_run: the model, then a Run: learner.Learner (model, optimizer,
-                   step counter), TrainingStats (episode returns, logs.csv every
-                   --log_interval_steps), evaluation.Evaluator, the status line, checkpoints
-              variant.train_loop(run, ...): actors -> batches -> run.learner_thread
-                   while the main thread runs run.supervise (stop requests,
-                   errors, status, checkpoints, evaluation)
-              the last checkpoint
-         -> test(flags, variant): play --test_episodes with the checkpoint
-
+test() is --mode test, run_command() maps a problem the user can fix to one message.
 The operating system's part (signals, thread names, malloc) is in beast/system.py.
 """
 
@@ -50,46 +46,42 @@ class UserError(Exception):
     """A problem the user can fix; printed as one message, no traceback."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What a variant plugs into the skeleton.
-
-    make_parser:     () -> argparse.ArgumentParser with the common flags and the variant's own.
-    check_flags:     (flags, info) -> list of problems; fills the variant's env-dependent flags.
-    acting_model:    (flags, info, model) -> what the actors act with, given the learner's
-                     model; the learner sends it the weights after every step through its
-                     load_state_dict.
-    train_loop:      (run, acting_model, environments) -> None; returns when run.done(), on a
-                     stop request, or raises.
-    environments:    flags -> context manager entered before the models are built (PolyBeast
-                     starts its env servers here, so they boot while the models are built).
-    per_start_flags: flags never taken from a resumed run's saved flags.
-    distributed:     whether it runs as several learner ranks under torchrun
-                     (beast/distributed.py); a variant that does not is refused there.
-    """
-
-    make_parser: object
-    check_flags: object
-    acting_model: object
-    train_loop: object
-    environments: object = lambda flags: contextlib.nullcontext()
-    per_start_flags: frozenset = frozenset()
-    distributed: bool = False
-
-
 # ----------------------------------------------------------------------------
 # Set-up.
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """What the run knows of its environment, read once from one instance before any work
+    (envs.env_info): kind ("atari", "image", "vector", "continuous"; the flag table's key),
+    observation_shape and observation_dtype (dicts of them for a Dict observation),
+    num_actions (a Box's dimension when continuous), action_low and action_high (a Box's
+    float64 [A] bounds, else None), env_fields (the rollout fields the environment writes)."""
+
+    kind: str
+    observation_shape: object
+    observation_dtype: object
+    num_actions: int
+    continuous: bool
+    action_low: object
+    action_high: object
+    env_fields: tuple
+
+
+def env_spec(flags):
+    """The EnvSpec of --env, from one instance created and closed here (envs.env_info)."""
+    return EnvSpec(**envs.env_info(flags))
+
 
 def prepare_run(flags, check_flags=None, ranks=None):
     """Checks everything before any work starts, and only then creates the run directory:
     a refused run writes nothing. Reads a resumed run's saved flags and checkpoint, fills
-    the environment's defaults and the variant's own (check_flags: fn(flags, info) -> list
-    of problems) and reports every problem at once.
+    the environment's defaults and the entry script's own (check_flags: fn(flags, env) ->
+    list of problems) and reports every problem at once.
 
     ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
     run directory and every rank gets its xpid, saved flags and checkpoint.
-    Returns (run_dir, info, checkpoint or None); a training's run_dir is locked
-    (runlog.RunDir.lock) on rank 0 until run_dir.unlock() or the process ends.
+    Returns (run_dir, EnvSpec, precisions, checkpoint or None); a training's run_dir is
+    locked (runlog.RunDir.lock) on rank 0 until run_dir.unlock() or the process ends.
     """
     ranks = ranks or distributed.Single()
     run_dir = runlog.RunDir(flags.savedir, flags.xpid, create=False)
@@ -99,12 +91,12 @@ def prepare_run(flags, check_flags=None, ranks=None):
         flags.xpid = run_dir.xpid
         if saved_flags is not None:
             beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
-        info = check_flags_for_env(flags, check_flags, checkpoint)
+        env, precisions = check_flags_for_env(flags, check_flags, checkpoint)
         if ranks.is_main:  # the others write nothing
             run_dir.create()
             if claim:
                 run_dir.lock()
-        return run_dir, info, checkpoint
+        return run_dir, env, precisions, checkpoint
     except (runlog.RunDirError, ckpt.CheckpointError) as e:
         run_dir.unlock()
         raise UserError(str(e)) from None
@@ -153,49 +145,49 @@ def _saved_flags_and_checkpoint(flags, run_dir):
 
 
 def check_flags_for_env(flags, check_flags, checkpoint):
-    """The environment's facts (envs.env_info), the defaults that depend on them, and every
-    problem with the flags, reported together; returns the facts."""
+    """The environment's facts, the defaults that depend on them, and every problem with
+    the flags, reported together; returns (EnvSpec, precisions)."""
     try:
-        info = envs.env_info(flags)
+        env = env_spec(flags)
     except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
-    beast_flags.apply_env_defaults(flags, info)
-    problems = list(check_flags(flags, info)) if check_flags else []
+    beast_flags.apply_env_defaults(flags, env.kind)
+    problems = list(check_flags(flags, env)) if check_flags else []
     problems += video.render_problems(flags)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
-    info["precisions"] = beast_flags.resolve_precisions(flags, select_device(flags).type)
+    precisions = beast_flags.resolve_precisions(flags, select_device(flags).type)
     try:
-        beast_flags.validate_flags(flags, problems + model_problems(flags, info))
+        beast_flags.validate_flags(flags, problems + model_problems(flags, env))
         if checkpoint is not None:
             ckpt.check_compatible(checkpoint["flags"], flags)
     except beast_flags.FlagError as e:
         raise UserError(str(e)) from None
-    return info
+    return env, precisions
 
 
-def model_problems(flags, info):
+def model_problems(flags, env):
     """Whether the model of --model can be built for this environment, and whether its
     outputs fit the rollout schema. A Dict observation always gets DictNet
     (beast/models.py), so asking for another is refused rather than ignored."""
-    if isinstance(info["observation_shape"], dict) and "model" in flags.given:
+    if isinstance(env.observation_shape, dict) and "model" in flags.given:
         return [f"--model {flags.model}: {flags.env} has a Dict observation, which always gets "
                 "DictNet (beast/models.py: one encoder per entry, then the core); drop --model, "
                 "or edit DictNet."]
     try:
-        rollout.Schema.of(info["env_fields"], build_model(flags, info), info["num_actions"],
-                          info.get("continuous", False))
+        rollout.Schema.of(env.env_fields, build_model(flags, env), env.num_actions,
+                          env.continuous)
     except (UserError, ValueError) as e:
         return [str(e)]
     return []
 
 
-def build_model(flags, info):
+def build_model(flags, env):
+    """A fresh model for the environment of EnvSpec env (models.create_model)."""
     try:
         # continuous only when it is: a create_model of (flags, shape, num_actions) still fits.
-        extra = dict(continuous=True) if info.get("continuous") else {}
-        return models.create_model(flags, info["observation_shape"], info["num_actions"],
-                                   **extra)
+        extra = dict(continuous=True) if env.continuous else {}
+        return models.create_model(flags, env.observation_shape, env.num_actions, **extra)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -216,18 +208,11 @@ def select_device(flags):
 # ----------------------------------------------------------------------------
 # The learner and the run's statistics.
 
-def build_acting_model(flags, info, device="cpu"):
+def build_acting_model(flags, env, device="cpu"):
     """A fresh model for acting, on `device`, in --acting_precision; the learner's weights
     reach it in Learner._publish."""
-    return models.to_acting_precision(build_model(flags, info).to(device),
+    return models.to_acting_precision(build_model(flags, env).to(device),
                                       flags.acting_precision)
-
-
-def weights_step(acting_model):
-    """The learner step of the acting model's weights (Learner._publish); 0 for a model that
-    no learner writes to."""
-    step = getattr(acting_model, "weights_step", None)
-    return 0 if step is None else int(step)
 
 
 class TrainingStats:
@@ -251,6 +236,19 @@ class TrainingStats:
         # learner_wait: the learner threads' seconds spent waiting for a batch since the last
         # row, against their seconds in all (threads x wall time since then).
         self.learner_threads, self.wait_s, self.window_start = 0, 0.0, None
+
+    def timed(self, batches):
+        """The batches of one learner thread, with its waits for them counted (learner_wait).
+        The next batch is taken only when the loop asks for it."""
+        self.learner_started()
+        batches = iter(batches)
+        while True:
+            start = time.monotonic()
+            pair = next(batches, None)
+            if pair is None:
+                return
+            self.waited(time.monotonic() - start)
+            yield pair
 
     def learner_started(self):
         """A learner thread that pulls batches from the actors starts (learner_wait)."""
@@ -341,65 +339,128 @@ class ThreadErrors:
             raise self._errors[0]
 
 
-class Run:
-    """One training run, as a variant's train_loop sees it.
+class Setup:
+    """Everything before the models: a context manager that the entry script's train()
+    enters first.
 
-    Learner threads call learner_thread(batches); the main thread calls supervise()
-    (or, in a serial loop, housekeeping()) until done() or a stop request.
+    On entry: the learner ranks joined (under torchrun), every flag checked (a refused run
+    writes nothing), the run directory claimed, a resumed run's flags and checkpoint read,
+    seeds, threads and signal handlers set. On exit: the directory freed for a resume, and
+    the other learner ranks told how this one ended.
+
+    Fields: flags, env (EnvSpec), precisions, run_dir, checkpoint (None for a new run),
+    ranks, stop (set by SIGTERM or Ctrl-C), device (the learner's).
     """
 
-    def __init__(self, flags, info, run_dir, checkpoint, logger, stop, model, acting_model,
-                 ranks=None):
-        self.flags, self.info, self.run_dir, self.stop = flags, info, run_dir, stop
-        self.ranks = ranks or distributed.Single()
-        self.device = next(model.parameters()).device
+    def __init__(self, flags, check_flags, distributed_ok=False):
+        self.flags, self.check_flags, self.distributed_ok = flags, check_flags, distributed_ok
+        self.run_dir = None
+
+    def __enter__(self):
+        flags = self.flags
+        self.ranks = join_ranks(flags, self.distributed_ok)
         try:
-            self.schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"],
-                                            info.get("continuous", False))
+            self.run_dir, self.env, self.precisions, self.checkpoint = prepare_run(
+                flags, self.check_flags, self.ranks)
+            self.stop = start_process(flags, self.env)
+        except BaseException as e:
+            self.__exit__(type(e), e, None)
+            raise
+        self.device = select_device(flags)
+        return self
+
+    def __exit__(self, kind, error, traceback_):
+        if self.run_dir is not None:
+            self.run_dir.unlock()  # the directory is free for a resume once this run has ended
+        if error is not None:
+            self.ranks.ended(f"{kind.__name__}: {error}".splitlines()[0])
+        elif self.stop.is_set():
+            self.ranks.ended("stopped on request")
+        else:
+            self.ranks.close()
+        return False
+
+
+class Run:
+    """One training run, from the models to the last checkpoint: a context manager that the
+    entry script's train() enters once the acting side's model exists.
+
+    Holds the learner (learner.Learner: model, optimizer, step counter), the rollout schema,
+    the run's statistics and logs, offline evaluation and the status line. The entry script
+    calls record() after every learner update, running() and housekeeping() from the main
+    thread; on exit the last evaluation is played, the last checkpoint written and one line
+    says how the run ended.
+    """
+
+    def __init__(self, setup, acting_model):
+        self.setup, self.acting_model = setup, acting_model
+        self.flags, self.env, self.run_dir = setup.flags, setup.env, setup.run_dir
+        self.stop, self.ranks, self.device = setup.stop, setup.ranks, setup.device
+        self._exits = contextlib.ExitStack()
+
+    def __enter__(self):
+        try:
+            logger = self._exits.enter_context(open_logs(self.setup))
+            self._start(logger)
+        except BaseException:
+            self._exits.close()
+            raise
+        return self
+
+    def _start(self, logger):
+        flags, setup, env = self.flags, self.setup, self.env
+        model = models.to_learning_layout(build_model(flags, env).to(self.device))
+        try:
+            self.schema = rollout.Schema.of(env.env_fields, model, env.num_actions,
+                                            env.continuous)
         except ValueError as e:
             raise UserError(str(e)) from None
-        self.learner = learner.Learner(flags, model, acting_model, checkpoint, self.ranks)
-        if checkpoint is not None and self.ranks.is_main:
-            print(f"Resuming {run_dir.path} from step {self.learner.step}.", file=sys.stderr)
+        self.learner = learner.Learner(flags, model, self.acting_model, setup.checkpoint,
+                                       self.ranks)
+        if setup.checkpoint is not None and self.ranks.is_main:
+            print(f"Resuming {self.run_dir.path} from step {self.learner.step}.",
+                  file=sys.stderr)
         self.stats = TrainingStats(flags, logger, self.learner.step,
-                                   checkpoint.get("episodes") if checkpoint else None)
+                                   setup.checkpoint.get("episodes") if setup.checkpoint else None)
         # Rank 0 alone evaluates, shows the status line and writes checkpoints.
         self.evaluator = evaluation.Evaluator(
-            flags, lambda: build_model(flags, info), self.learner.step,
-            enabled=self.ranks.is_main, videos_dir=run_dir.videos_dir)
+            flags, lambda: build_model(flags, env), self.learner.step,
+            enabled=self.ranks.is_main, videos_dir=self.run_dir.videos_dir)
         self.status = (None if flags.no_progress or not self.ranks.is_main
-                       else runlog.StatusLine(flags.total_steps, label=precision_label(flags)))
+                       else runlog.StatusLine(flags.total_steps,
+                                              label=precision_label(flags)))
         self.errors = ThreadErrors()
         self.last_checkpoint = time.time()
-        self.saved_step = self.learner.step if checkpoint is not None else None  # on disk
+        self.saved_step = self.learner.step if setup.checkpoint is not None else None
         self.checkpoint_error = None  # why the latest save failed, while it does
+        self.stop_reported = False
+        if self.ranks.is_distributed:  # the same weights everywhere, each rank its own actions
+            torch.manual_seed(distributed.rank_seed(flags.seed, self.ranks.rank))
+
+    def __exit__(self, kind, error, traceback_):
+        try:
+            if error is None:
+                self.evaluator.run_pending(self.stats)  # the last snapshot, if not yet played
+        finally:
+            try:
+                self.close()
+            finally:
+                self._exits.close()
+        if error is None:
+            report_end(self)
+        return False
 
     def done(self):
         return self.learner.step >= self.flags.total_steps
 
-    def learn(self, batch, initial_agent_state):
-        """One learner step on a batch [T+1, B, ...] (the serial and lockstep loops)."""
-        self.after_update(*self.learner.update(batch, initial_agent_state), batch)
+    def thread(self, name, target, *args, on_error=None):
+        """A daemon thread (not started) whose exception the main thread raises (running)."""
+        return self.errors.thread(name, target, *args, on_error=on_error)
 
-    def learner_thread(self, batches):
-        """The body of a learner thread: learns on (batch, initial_agent_state) pairs until
-        total_steps or the end of `batches`."""
-        system.set_intra_op_threads(self.flags.num_torch_threads)
-        self.stats.learner_started()
-        batches = iter(batches)
-        while not self.done():
-            start = time.monotonic()
-            pair = next(batches, None)
-            if pair is None or self.done():
-                return
-            self.stats.waited(time.monotonic() - start)
-            batch, initial_agent_state = pair
-            step, stats = self.learner.update(batch, initial_agent_state)
-            self.after_update(step, stats, batch)
-
-    def after_update(self, step, stats, batch):
-        """The step's stats recorded, its evaluation snapshot taken; a run of non-finite
-        updates ends the run. stats is None when no update was made (total_steps reached)."""
+    def record(self, step, stats, batch):
+        """After a learner update: its stats and finished games recorded (logs.csv when a row
+        is due), its evaluation snapshot taken; a run of non-finite updates ends the run.
+        stats is None when no update was made (total_steps reached)."""
         if stats is None:
             return
         self.stats.record(step, stats, batch)
@@ -411,6 +472,31 @@ class Run:
                 "keeps the last good ones. Look for infinite or NaN rewards or observations "
                 "from the environment, or lower --learning_rate.")
         self.evaluator.snapshot_if_due(step, self.learner)
+
+    def running(self, threads=(), poll_s=0.2):
+        """The main thread's wait: sleeps poll_s, then False once total_steps is reached or a
+        stop was requested. Raises the first error of the run's threads or of another learner
+        rank, and when a thread of `threads` ended before total_steps."""
+        time.sleep(poll_s)
+        self.ranks.heartbeat()  # raises when another learner rank failed
+        self.errors.raise_first()
+        if self.done():
+            return False
+        if self.stopping():
+            return False
+        ended = [t.name for t in threads if not t.is_alive()]
+        if ended and not self.done():
+            self.errors.raise_first()
+            raise RuntimeError(f"thread {', '.join(ended)} ended unexpectedly.")
+        return True
+
+    def stopping(self):
+        """Whether a stop was requested (SIGTERM, Ctrl-C); says so once."""
+        if self.stop.is_set() and not self.stop_reported:
+            self.stop_reported = True
+            print("\nStopping on request; the run can be resumed with "
+                  f"--xpid {self.flags.xpid}.", file=sys.stderr)
+        return self.stop.is_set()
 
     def housekeeping(self, env_errors=None):
         """Called often by the main thread: the status line, periodic checkpoints and
@@ -427,27 +513,6 @@ class Run:
                       file=sys.stderr)
             self.last_checkpoint = time.time()
         self.evaluator.run_pending(self.stats)
-
-    def supervise(self, threads, check=None, env_errors=None):
-        """The main thread of a run with actors: until total_steps, a stop request or a
-        failure. Raises the first error of a thread, and whatever check() raises (a dead
-        actor process, say); a thread of `threads` that ends early is an error too."""
-        while not self.done():
-            time.sleep(0.2)
-            self.ranks.heartbeat()  # raises when another learner rank failed
-            if self.stop.is_set():
-                print("\nStopping on request; the run can be resumed with "
-                      f"--xpid {self.flags.xpid}.", file=sys.stderr)
-                return
-            self.errors.raise_first()
-            if check is not None:
-                check()
-            ended = [t.name for t in threads if not t.is_alive()]
-            if ended and not self.done():
-                self.errors.raise_first()
-                raise RuntimeError(f"thread {', '.join(ended)} ended unexpectedly.")
-            self.housekeeping(env_errors() if env_errors is not None else None)
-        self.errors.raise_first()
 
     def save(self):
         """Writes the checkpoint: everything a resume needs. Weights that are not finite
@@ -485,50 +550,17 @@ class Run:
 
     def close(self):
         """At the end, whatever ended it: the status line, the last checkpoint. A last
-        checkpoint that cannot be written is reported by _train, once the run is shut."""
+        checkpoint that cannot be written is reported by report_end."""
         if self.status is not None:
             self.status.close()
         self.save()
 
 
-def train(flags, variant):
-    """Trains with `variant`'s actors until --total_steps or a stop request; returns the Run.
-    The last checkpoint is written whatever ended it.
-
-    Under torchrun, this process is one of several learner ranks (beast/distributed.py);
-    when it ends with an error, its message goes to the others, which stop too.
-    """
-    ranks = join_ranks(flags, variant)
-    try:
-        run_dir, info, checkpoint = prepare_run(flags, variant.check_flags, ranks)
-        try:
-            stop = start_process(flags, info)
-            with variant.environments(flags) as environments, \
-                    open_logs(flags, ranks, run_dir, info, checkpoint) as logger:
-                run = start_run(flags, variant, ranks, run_dir, info, checkpoint, logger, stop)
-                try:
-                    variant.train_loop(run, run.learner.acting_model, environments)
-                    run.evaluator.run_pending(run.stats)  # the last snapshot, if not yet played
-                finally:
-                    run.close()
-        finally:
-            run_dir.unlock()  # the directory is free for a resume once this run has ended
-        report_end(run, ranks)
-    except BaseException as e:
-        ranks.ended(f"{type(e).__name__}: {e}".splitlines()[0])
-        raise
-    if run.stop.is_set():
-        ranks.ended("stopped on request")
-    else:
-        ranks.close()
-    return run
-
-
-def join_ranks(flags, variant):
+def join_ranks(flags, distributed_ok):
     """distributed.Single() for one learner; under torchrun, the process group joined."""
     if distributed.env_rank()[1] <= 1:
         return distributed.Single()
-    if not variant.distributed:
+    if not distributed_ok:
         raise UserError("this learner runs as one process; for several learner ranks under "
                         "torchrun use polybeast (python -m polybeast).")
     try:
@@ -537,13 +569,13 @@ def join_ranks(flags, variant):
         raise UserError(str(e)) from None
 
 
-def start_process(flags, info):
+def start_process(flags, env):
     """Seeds, threads and malloc set for training; returns the event that a SIGTERM or
-    Ctrl-C sets from now on (the finally blocks then stop whatever the variant started)."""
+    Ctrl-C sets from now on (the finally blocks then stop whatever the run started)."""
     # Atari's learner step frees a few hundred MB that it allocates again at the next step;
     # before the learner's threads start, which pick their malloc arena at their first
     # allocation.
-    if info["kind"] == "atari":
+    if env.kind == "atari":
         system.reuse_freed_memory()
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)
@@ -551,34 +583,23 @@ def start_process(flags, info):
     return system.install_signal_handlers()
 
 
-def open_logs(flags, ranks, run_dir, info, checkpoint):
+def open_logs(setup):
     """meta.json written, then the logger as a context manager: logs.csv on rank 0, a line
     on stderr now and then on the other ranks."""
+    flags, ranks, run_dir = setup.flags, setup.ranks, setup.run_dir
     if not ranks.is_main:
         return contextlib.nullcontext(RankLogger(ranks))
-    device = select_device(flags)  # after the servers' start: they boot meanwhile
     runlog.write_metadata(run_dir, flags, dict(
         world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
-        machine=machine.describe(device), precisions=info["precisions"]))
-    start_step = 0 if checkpoint is None else checkpoint["step"]
+        machine=machine.describe(setup.device), precisions=setup.precisions))
+    start_step = 0 if setup.checkpoint is None else setup.checkpoint["step"]
     return runlog.StatsLogger(run_dir, flags=flags, start_step=start_step)
 
 
-def start_run(flags, variant, ranks, run_dir, info, checkpoint, logger, stop):
-    """The learner's model (restored from the checkpoint, if any), the acting model and the
-    Run that holds them."""
-    model = models.to_learning_layout(build_model(flags, info).to(select_device(flags)))
-    acting_model = variant.acting_model(flags, info, model)
-    run = Run(flags, info, run_dir, checkpoint, logger, stop, model, acting_model, ranks)
-    if ranks.is_distributed:  # the same weights everywhere, each rank its own actions
-        torch.manual_seed(distributed.rank_seed(flags.seed, ranks.rank))
-    return run
-
-
-def report_end(run, ranks):
+def report_end(run):
     """One line on how the run ended; a last checkpoint that could not be written is an
     error that says how to resume."""
-    flags = run.flags
+    flags, ranks = run.flags, run.ranks
     if run.checkpoint_error is not None:
         raise UserError(f"{run.checkpoint_error}. Training stopped at step {run.learner.step}; "
                         f"{run.on_disk()}. Once the directory can be written again (free "
@@ -607,12 +628,14 @@ class RankLogger:
 # ----------------------------------------------------------------------------
 # --mode test.
 
-def test(flags, variant):
+def test(flags, check_flags):
+    """--mode test: plays --test_episodes with the run's checkpoint and records the result.
+    check_flags: the entry script's, as for training."""
     if distributed.env_rank()[1] > 1:
         raise UserError("--mode test plays on one process: run it without torchrun.")
-    run_dir, info, checkpoint = prepare_run(flags, variant.check_flags)
+    run_dir, env, _, checkpoint = prepare_run(flags, check_flags)
     torch.set_num_threads(flags.num_torch_threads)
-    model = build_model(flags, info)
+    model = build_model(flags, env)
     model.load_state_dict(checkpoint["model_state_dict"])
     paths = (video.paths_for_test(run_dir.videos_dir, checkpoint["step"], flags.test_episodes)
              if flags.record_video else [])
@@ -650,14 +673,14 @@ def parse_flags(parser, argv=None, always_given=()):
     return flags
 
 
-def main(variant, argv=None):
-    """Runs train or test; a UserError ends with its message and exit code 2."""
-    flags = parse_flags(variant.make_parser(), argv, variant.per_start_flags)
+def run_command(train, test, flags):
+    """Runs train(flags) or test(flags) as --mode says; a problem the user can fix ends with
+    its message and exit code 2, anything else with its traceback."""
     try:
         if flags.mode == "train":
-            train(flags, variant)
+            train(flags)
         else:
-            test(flags, variant)
+            test(flags)
     except (UserError, distributed.DistributedError, runlog.TrackingError,
             evaluation.BadStep) as e:
         print(f"error: {e}", file=sys.stderr)

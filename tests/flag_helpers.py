@@ -16,7 +16,7 @@ def make_flags(*argv, kind="vector", parser=None, **values):
     otherwise test nothing)."""
     parser = parser or beast_flags.common_parser()
     flags = parser.parse_args([str(arg) for arg in argv])
-    beast_flags.apply_env_defaults(flags, {"kind": kind})
+    beast_flags.apply_env_defaults(flags, kind)
     # "auto" as on a CPU without bf16: a test's precision does not depend on the machine.
     beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="none (emulated)")
     for key, value in values.items():

@@ -8,6 +8,7 @@ import pytest
 from beast import flags as beast_flags
 from beast import machine
 from beast import runlog
+from bench import null_env
 from bench import run
 
 CPUINFO = """processor\t: 0
@@ -81,7 +82,7 @@ def test_env_ceiling_steps_a_vector_env_and_counts_every_environment(monkeypatch
         return env
 
     monkeypatch.setattr(ceilings.vector_envs, "create_vector_env", spy)
-    result = ceilings._measure_env("Null-v0", seconds=0.2, chunks=1)
+    result = ceilings._measure_env(null_env.ENV_ID, seconds=0.2, chunks=1)
     assert set(calls) == {ceilings.VECTOR_ENVS}
     timed = len(calls) - 50  # after the warm-up steps
     assert result["n"] == 1 and result["median"] > 0
@@ -96,7 +97,7 @@ def test_env_ceiling_steps_a_vector_env_and_counts_every_environment(monkeypatch
 def test_auto_precision_is_bf16_where_a_cpu_learner_has_bf16_instructions(cpu_bf16, device,
                                                                           expected):
     flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
-                                           {"kind": "atari"})
+                                           "atari")
     assert (flags.precision, flags.acting_precision) == ("auto", "auto")
     chosen = beast_flags.resolve_precisions(flags, device, cpu_bf16=cpu_bf16)
     assert (flags.precision, flags.acting_precision) == (expected, expected)
@@ -108,12 +109,12 @@ def test_auto_precision_is_bf16_where_a_cpu_learner_has_bf16_instructions(cpu_bf
 def test_a_typed_precision_and_the_small_nets_defaults_stay_as_they_are():
     flags = beast_flags.common_parser().parse_args(["--acting_precision", "fp32"])
     flags.given = {"acting_precision"}
-    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
+    beast_flags.apply_env_defaults(flags, "atari")
     chosen = beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="AMX")
     assert (flags.precision, flags.acting_precision) == ("bf16", "fp32")
     assert chosen["acting_precision"] == {"value": "fp32", "why": "typed"}
     for kind in ("image", "vector", "continuous"):
         flags = beast_flags.apply_env_defaults(beast_flags.common_parser().parse_args([]),
-                                               {"kind": kind})
+                                               kind)
         beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="AMX")
         assert (flags.precision, flags.acting_precision) == ("fp32", "fp32"), kind

@@ -21,7 +21,8 @@ JOIN_TIMEOUT_S = 30
 
 def common_parser():
     parser = argparse.ArgumentParser(formatter_class=beast_flags.HelpFormatter)
-    return beast_flags.add_common_flags(parser)
+    beast_flags.add_common_flags(parser)
+    return parser
 
 
 def env_parser():
@@ -199,7 +200,7 @@ def as_argv(action, value):
 @pytest.mark.parametrize("kind", list(KIND_LABELS))
 def test_apply_env_defaults_fills_every_none_flag(kind):
     flags = common_parser().parse_args([])
-    assert beast_flags.apply_env_defaults(flags, {"kind": kind}) is flags
+    assert beast_flags.apply_env_defaults(flags, kind) is flags
     for key, value in ENV_DEFAULTS[kind].items():
         assert getattr(flags, key) == value and type(getattr(flags, key)) is type(value), key
 
@@ -211,7 +212,7 @@ def test_apply_env_defaults_never_overrides_a_given_flag(kind):
              for key, value in ENV_DEFAULTS[kind].items()}
     argv = [arg for key, value in given.items() for arg in as_argv(action_for(parser, key), value)]
     flags = parser.parse_args(argv)
-    beast_flags.apply_env_defaults(flags, {"kind": kind})
+    beast_flags.apply_env_defaults(flags, kind)
     assert {key: getattr(flags, key) for key in given} == given
 
 
@@ -223,7 +224,7 @@ def test_a_run_saved_before_a_flag_resumes_with_what_it_did_then():
         flags = common_parser().parse_args(argv)
         beast_flags.merge_saved_flags(flags, saved, beast_flags.explicit_flags(
             common_parser(), argv))
-        return beast_flags.apply_env_defaults(flags, {"kind": "image"})
+        return beast_flags.apply_env_defaults(flags, "image")
 
     assert ENV_DEFAULTS["image"]["pg_clip"] > 0
     assert resumed([], {"entropy_cost": 0.01}).pg_clip == 0.0
@@ -258,19 +259,19 @@ def resumed_flags(parser, argv, saved, kind="vector"):
     flags = parser.parse_args(argv)
     flags.given = beast_flags.explicit_flags(parser, argv)
     beast_flags.merge_saved_flags(flags, saved, flags.given)
-    return beast_flags.apply_env_defaults(flags, {"kind": kind})
+    return beast_flags.apply_env_defaults(flags, kind)
 
 
 def test_apply_env_defaults_rejects_an_unknown_kind_and_honours_names():
     flags = common_parser().parse_args([])
     with pytest.raises(ValueError, match="unknown environment kind 'pixels'"):
-        beast_flags.apply_env_defaults(flags, {"kind": "pixels"})
-    beast_flags.apply_env_defaults(flags, {"kind": "atari"}, names=beast_flags.env_flag_names())
+        beast_flags.apply_env_defaults(flags, "pixels")
+    beast_flags.apply_env_defaults(flags, "atari", names=beast_flags.env_flag_names())
     assert flags.episodic_life is ENV_DEFAULTS["atari"]["episodic_life"]
     assert flags.unroll_length is None and flags.model is None
     # A script's own table of the same shape.
     flags.envs_per_actor = None
-    beast_flags.apply_env_defaults(flags, {"kind": "image"},
+    beast_flags.apply_env_defaults(flags, "image",
                                    table={"atari": {"envs_per_actor": 4},
                                           "image": {"envs_per_actor": 32},
                                           "vector": {"envs_per_actor": 16}})
@@ -282,7 +283,7 @@ def test_image_default_model_fits_small_and_large_frames():
     from beast import models
 
     model_flags = beast_flags.apply_env_defaults(common_parser().parse_args([]),
-                                                 {"kind": "image"})
+                                                 "image")
     for shape in [(4, 10, 10), (6, 10, 10), (4, 84, 84)]:
         models.create_model(model_flags, shape, num_actions=3)
     model_flags.model = "atari"
@@ -335,7 +336,7 @@ def test_env_flag_args_of_the_defaults_round_trips():
 
 def test_repeat_action_probability_is_checked():
     flags = common_parser().parse_args(["--repeat_action_probability", "1.5"])
-    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
+    beast_flags.apply_env_defaults(flags, "atari")
     with pytest.raises(beast_flags.FlagError,
                        match=re.escape("--repeat_action_probability must be a finite number in "
                                        "[0, 1] (got 1.5)")):
@@ -392,77 +393,3 @@ def test_polybeast_env_serves_atari_standalone(tmp_path):
             process.communicate(timeout=JOIN_TIMEOUT_S)
     assert process.returncode == 0, err
     assert "serving ALE/Pong-v5" in serving + out
-
-
-# ---------------------------------------------------------------------------------------------
-# Addresses.
-
-
-@pytest.mark.parametrize("address, expected", [
-    ("localhost:4000", ("localhost", 4000)),
-    ("tcp:10.0.0.2:4001", ("10.0.0.2", 4001)),
-    ("[::1]:5", ("[::1]", 5)),
-    ("tcp:[fe80::1]:65535", ("[fe80::1]", 65535)),
-])
-def test_split_host_port(address, expected):
-    assert beast_flags.split_host_port(address) == expected
-
-
-@pytest.mark.parametrize("address", [
-    "nohost", "host:", ":4000", "host:port", "host:-1", "host:65536", "unix:/tmp/x", "tcp:", "",
-])
-def test_split_host_port_rejects(address):
-    with pytest.raises(ValueError, match="HOST:PORT"):
-        beast_flags.split_host_port(address)
-
-
-@pytest.mark.parametrize("address, loopback", [
-    ("unix:/tmp/x", True), ("raw:/tmp/x", True), ("localhost:4000", True), ("127.0.0.1:4000", True),
-    ("127.8.9.1:4000", True), ("[::1]:4000", True), ("tcp:127.0.0.1:4000", True),
-    ("0.0.0.0:4000", False), ("tcp:10.0.0.2:4000", False), ("example.com:80", False),
-])
-def test_is_loopback(address, loopback):
-    assert beast_flags.is_loopback(address) is loopback
-
-
-def test_is_loopback_rejects_a_bad_address():
-    with pytest.raises(ValueError):
-        beast_flags.is_loopback("nohost")
-
-
-def test_parse_address_list():
-    assert beast_flags.parse_address_list(
-        " unix:/tmp/a.0, localhost:4000,tcp:10.0.0.2:4001,[::1]:9 ,") == [
-        "unix:/tmp/a.0", "localhost:4000", "10.0.0.2:4001", "[::1]:9"]
-    assert beast_flags.parse_address_list("unix:/tmp/a") == ["unix:/tmp/a"]
-    assert beast_flags.parse_address_list("raw:/tmp/a.0,raw:/tmp/a.1") == [
-        "raw:/tmp/a.0", "raw:/tmp/a.1"]
-
-
-@pytest.mark.parametrize("text, named", [
-    ("unix:/tmp/a,nohost", "'nohost'"),
-    ("localhost:4000,localhost:x", "'localhost:x'"),
-    ("unix:", "'unix:'"),
-    ("raw:/tmp/a,raw:", "'raw:'"),
-    ("/tmp/socket", "'/tmp/socket'"),
-    ("", "no address"),
-    (" , ,", "no address"),
-])
-def test_parse_address_list_names_the_bad_entry(text, named):
-    with pytest.raises(ValueError, match=re.escape(named)):
-        beast_flags.parse_address_list(text)
-
-
-@pytest.mark.parametrize("scheme", ["unix:", "raw:"])
-def test_a_socket_path_too_long_for_a_unix_socket_is_refused_with_its_length(scheme):
-    longest = "/tmp/" + "d" * (beast_flags.MAX_SOCKET_PATH_BYTES - len("/tmp/"))
-    assert beast_flags.socket_path_problem(scheme + longest) is None
-    assert beast_flags.parse_address_list(scheme + longest) == [scheme + longest]
-    problem = beast_flags.socket_path_problem(scheme + longest + "d")
-    assert f"is {beast_flags.MAX_SOCKET_PATH_BYTES + 1} bytes" in problem
-    assert "shorter directory" in problem
-    with pytest.raises(ValueError, match="shorter directory"):
-        beast_flags.parse_address_list(f"{scheme}/tmp/a,{scheme}{longest}d")
-    # Bytes, not characters: the kernel counts the encoded path.
-    assert beast_flags.socket_path_problem(scheme + "/tmp/" + "é" * 60) is not None
-    assert beast_flags.socket_path_problem("localhost:4000") is None

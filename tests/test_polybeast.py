@@ -25,9 +25,12 @@ import torch
 import polybeast
 import process_helpers
 from beast import checkpoint as ckpt
+from beast import flags as beast_flags
 from beast import restarts
 from beast import runlog
 from beast import training
+from beast.poly import acting_process
+from beast.poly import layout as poly_layout
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WAIT_S = 120  # upper bound for anything a test waits on; never reached when things work
@@ -193,8 +196,8 @@ def test_inference_models_abandon_the_locks_of_a_dead_process():
     """A forked acting process that dies holding a replica's lock (SIGKILL mid forward pass)
     must not stall the learner: its weight copy gives up once the locks are abandoned, and
     fresh locks work again."""
-    models = polybeast.InferenceModels([TwoHalves()], context=polybeast.FORK)
-    holder = polybeast.FORK.Process(target=lambda: models.locks[0].acquire() and os._exit(0))
+    models = polybeast.InferenceModels([TwoHalves()], context=acting_process.FORK)
+    holder = acting_process.FORK.Process(target=lambda: models.locks[0].acquire() and os._exit(0))
     holder.start()
     holder.join(WAIT_S)
     source = TwoHalves()
@@ -220,17 +223,17 @@ def test_the_acting_process_of_a_learner_off_the_cpu_is_spawned(monkeypatch, sta
     """A CUDA learner ("meta" stands in for it) spawns its acting process, whose replicas
     stay on the learner's device (a spawned child gets them through CUDA IPC); a fork could
     not use CUDA, so asking for one is refused with what to change."""
-    monkeypatch.setattr(training, "build_model", lambda flags, info: torch.nn.Linear(2, 2))
+    monkeypatch.setattr(training, "build_model", lambda flags, env: torch.nn.Linear(2, 2))
     flags = argparse.Namespace(acting_start_method=start_method, acting_precision="fp32",
                                num_inference_threads=2)
-    model = torch.nn.Linear(2, 2, device="meta")
+    device = torch.device("meta")
     if context is None:
         with pytest.raises(training.UserError, match="--acting_start_method fork with the "
                                                      "learner on meta: a forked process"):
-            polybeast.acting_model(flags, {}, model)
+            polybeast.create_inference_models(flags, None, device)
         return
-    models = polybeast.acting_model(flags, {}, model)
-    assert models.context is polybeast.SPAWN
+    models = polybeast.create_inference_models(flags, None, device)
+    assert models.context is acting_process.SPAWN
     assert {p.device.type for r in models.replicas for p in r.parameters()} == {"meta"}
 
 
@@ -238,13 +241,13 @@ def test_a_learner_off_the_cpu_gets_a_copy_of_the_slot_which_goes_back_at_once()
     """A CPU learner learns on the shared slot itself, which goes back when it asks for the
     next batch; a learner on another device gets the batch on that device, and the slot goes
     back before its step, so that the acting process can fill it meanwhile."""
-    acting = polybeast.ActingProcess.__new__(polybeast.ActingProcess)
+    acting = acting_process.ActorPoolProcess.__new__(acting_process.ActorPoolProcess)
     slot = ({"frame": torch.arange(6.0).reshape(3, 2)}, (torch.ones(1, 2, 4),))
     acting.slots = [slot]
-    acting.full_reader, full_writer = polybeast.FORK.Pipe(duplex=False)
-    free_reader, acting.free_writer = polybeast.FORK.Pipe(duplex=False)
+    acting.full_reader, full_writer = acting_process.FORK.Pipe(duplex=False)
+    free_reader, acting.free_writer = acting_process.FORK.Pipe(duplex=False)
     acting.read_lock, acting.write_lock = threading.Lock(), threading.Lock()
-    acting.stopping = polybeast.FORK.RawValue("b", 0)
+    acting.stopping = acting_process.FORK.RawValue("b", 0)
 
     full_writer.send(0)
     batch, state = next(acting.batches(torch.device("meta")))
@@ -559,9 +562,9 @@ def test_servers_started_elsewhere(tmp_path):
 
 
 def layout(monkeypatch, cores, *args):
-    monkeypatch.setattr(polybeast.beast_flags, "default_num_torch_threads", lambda: cores)
+    monkeypatch.setattr(poly_layout.beast_flags, "default_num_torch_threads", lambda: cores)
     flags = polybeast.make_parser().parse_args(["--env", "CartPole-v1", *args])
-    polybeast.default_layout(flags, "vector")
+    poly_layout.default_layout(flags, "vector")
     return flags.num_actors, flags.envs_per_stream
 
 
@@ -587,9 +590,9 @@ def test_servers_by_hand_get_the_layout_of_servers_started_here(monkeypatch):
 def test_servers_started_elsewhere_get_the_learners_envs_per_stream(tmp_path):
     """Servers started by hand without --envs_per_stream host as many environments per stream
     as the learner asks for, not TorchBeast's one: on CartPole, with 3 addresses, 85, so that
-    at least 4 x 64 are in flight (polybeast.default_layout). Servers started with their own
-    --envs_per_stream keep it."""
-    assert (polybeast.DEFAULT_NUM_ACTORS, polybeast.ENVS_PER_STREAM["vector"]) == (4, 64)
+    at least 4 x 64 are in flight (beast/poly/layout.py, default_layout). Servers started
+    with their own --envs_per_stream keep it."""
+    assert (poly_layout.DEFAULT_NUM_ACTORS, poly_layout.ENVS_PER_STREAM["vector"]) == (4, 64)
     servers = start(tmp_path, "servers", "polybeast_env", "--env", "CartPole-v1",
                     "--num_servers", "2", "--pipes_basename", f"unix:{tmp_path}/env")
     own = start(tmp_path, "own", "polybeast_env", "--env", "CartPole-v1", "--num_servers", "1",
@@ -931,9 +934,9 @@ def test_minatar_trains(tmp_path):
 def test_learner_threads_with_local_servers_are_the_cores_they_leave(monkeypatch):
     """The servers keep a core each; at least one thread is left for the learner."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert polybeast.beast_flags.default_num_torch_threads() == 8
-    assert polybeast.beast_flags.default_num_torch_threads(4) == 4
-    assert polybeast.beast_flags.default_num_torch_threads(8) == 1
-    assert polybeast.beast_flags.default_num_torch_threads(12) == 1
+    assert beast_flags.default_num_torch_threads() == 8
+    assert beast_flags.default_num_torch_threads(4) == 4
+    assert beast_flags.default_num_torch_threads(8) == 1
+    assert beast_flags.default_num_torch_threads(12) == 1
 
 

@@ -60,7 +60,7 @@ def resumed_flags(saved, *argv):
     flags = parser.parse_args(list(argv))
     flags.given = beast_flags.explicit_flags(parser, list(argv))
     beast_flags.merge_saved_flags(flags, saved, flags.given)
-    return beast_flags.apply_env_defaults(flags, {"kind": "vector"})
+    return beast_flags.apply_env_defaults(flags, "vector")
 
 
 def expected_lr(flags, step):
