@@ -27,14 +27,12 @@ process and its failures) are beast/poly/. Run `python -m polybeast --help` for 
 
 import argparse
 import sys
-import threading
 
 import numpy as np
 import torch
 
 import libpolybeast
 from beast import flags as beast_flags
-from beast import models
 from beast import restarts
 from beast import rollout
 from beast import system
@@ -42,6 +40,7 @@ from beast import tls
 from beast import training
 from beast.poly import acting_process
 from beast.poly import addresses
+from beast.poly import inference_models
 from beast.poly import layout
 from beast.poly import local_servers
 
@@ -128,69 +127,6 @@ def check_flags(flags, env):
 # ----------------------------------------------------------------------------
 # Acting: inference and the actor pool, in the acting process.
 
-class InferenceModels:
-    """The acting model: one replica per inference thread, each behind its own lock.
-
-    The learner calls load_state_dict after every step. A forward pass holds
-    its replica's lock, so it never sees weights half-way through a copy, and
-    the copy waits at most one small forward pass. One replica per thread
-    keeps the inference threads from waiting on each other. context: the multiprocessing
-    context of an ActingProcess, whose replicas are then in shared memory (or shared GPU
-    memory) and whose locks work across processes.
-    """
-
-    def __init__(self, replicas, context=None):
-        self.replicas = list(replicas)
-        self.context = context  # of the acting process; None: threads of this process only
-        for replica in self.replicas:
-            # GPU memory needs nothing: a spawned child gets it through CUDA IPC as it is.
-            if context is not None and next(replica.parameters()).device.type == "cpu":
-                replica.share_memory()
-        self.abandoned = threading.Event()
-        self.renew_locks()
-
-    def renew_locks(self):
-        """Fresh locks: after an acting process died, perhaps holding one."""
-        make_lock = threading.Lock if self.context is None else self.context.Lock
-        self.locks = [make_lock() for _ in self.replicas]
-        self.abandoned.clear()
-
-    def __getstate__(self):
-        """What a spawned acting process receives: the replicas (shared) and the locks; the
-        learner's own bookkeeping stays here."""
-        state = dict(self.__dict__)
-        del state["abandoned"], state["context"]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, abandoned=threading.Event(), context=None)
-
-    def abandon(self):
-        """The process that used the locks is gone: writers stop waiting on them (its
-        replacement gets renew_locks and the weights again)."""
-        self.abandoned.set()
-
-    def load_state_dict(self, state_dict):
-        for replica, lock in zip(self.replicas, self.locks):
-            if not self._acquire(lock):
-                continue
-            try:
-                replica.load_state_dict(state_dict)
-            finally:
-                lock.release()
-
-    def _acquire(self, lock):
-        """Takes lock; False if abandon() is called while waiting."""
-        while not lock.acquire(timeout=0.1):
-            if self.abandoned.is_set():
-                return False
-        return True
-
-    def forward(self, index, inputs, core_state):
-        with self.locks[index]:
-            return models.act(self.replicas[index], inputs, core_state)
-
-
 def create_inference_models(flags, env, device):
     """One replica of the model per inference thread, on the learner's device, in
     --acting_precision, for the process that acting_process.acting_context starts."""
@@ -200,7 +136,7 @@ def create_inference_models(flags, env, device):
             f"--acting_start_method fork with the learner on {device}: a forked process "
             "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
-    return InferenceModels((training.build_acting_model(flags, env, device)
+    return inference_models.InferenceModels((training.build_acting_model(flags, env, device)
                             for _ in range(flags.num_inference_threads)), context=context)
 
 
@@ -216,7 +152,8 @@ def to_torch(array, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def inference(index, inference_batcher, models, weights_step, schema, device, torch_threads=1):
+def inference(index, inference_batcher, acting_model, weights_step, schema, device,
+              torch_threads=1):
     """Inference thread: answers batches of actor requests until the batcher closes.
 
     A batch holds one step of B actors: env_outputs arrays are [T=1, B, ...]
@@ -231,7 +168,7 @@ def inference(index, inference_batcher, models, weights_step, schema, device, to
         state = tuple(to_torch(s, device) for s in agent_state)
         # Before the forward pass: the learner may write newer weights meanwhile.
         acted_with = int(weights_step)
-        outputs, state = models.forward(index, inputs, state)
+        outputs, state = acting_model.forward(index, inputs, state)
         # The only device-to-host copy (and sync point) of an inference step.
         agent_outputs = {k: v.cpu().numpy() for k, v in outputs.items()}
         agent_outputs[rollout.POLICY_STEP.name] = np.full(
@@ -280,7 +217,7 @@ def run_actor_pool(actor_pool, addresses, flags):
             f"--pipes_basename.{layout.tls_hint(flags, addresses)}") from None
 
 
-def create_actor_pool(flags, schema, models, addresses):
+def create_actor_pool(flags, schema, acting_model, addresses):
     """The learner queue, the inference batcher and the actor pool that feeds them."""
     learner_queue = libpolybeast.BatchingQueue(
         batch_dim=1, minimum_batch_size=flags.batch_size, maximum_batch_size=flags.batch_size,
@@ -290,7 +227,7 @@ def create_actor_pool(flags, schema, models, addresses):
     inference_batcher = libpolybeast.DynamicBatcher(
         batch_dim=1, minimum_batch_size=1, maximum_batch_size=inference_batch_size(flags))
     # The agent state of one actor has batch dim 1: [layers, 1, hidden].
-    initial_agent_state = tuple(s.numpy() for s in models.replicas[0].initial_state(1))
+    initial_agent_state = tuple(s.numpy() for s in acting_model.replicas[0].initial_state(1))
     actor_pool = libpolybeast.ActorPool(
         unroll_length=flags.unroll_length, learner_queue=learner_queue,
         inference_batcher=inference_batcher, env_server_addresses=addresses,
@@ -303,15 +240,15 @@ def create_actor_pool(flags, schema, models, addresses):
     return learner_queue, inference_batcher, actor_pool
 
 
-def start_acting(errors, flags, schema, models, weights_step, addresses, device):
+def start_acting(errors, flags, schema, acting_model, weights_step, addresses, device):
     """Starts the actor pool's thread and the inference threads; returns (learner_queue,
     the queues to close at the end, the started threads, the actor pool). errors: the
     training.ThreadErrors that keeps their exceptions; weights_step: the learner step of the
-    models' weights (learner.Learner.weights_step)."""
-    learner_queue, inference_batcher, actor_pool = create_actor_pool(flags, schema, models,
-                                                                     addresses)
+    acting model's weights (learner.Learner.weights_step)."""
+    learner_queue, inference_batcher, actor_pool = create_actor_pool(
+        flags, schema, acting_model, addresses)
     threads = [errors.thread("actor-pool", run_actor_pool, actor_pool, addresses, flags)]
-    threads += [errors.thread(f"inference-{i}", inference, i, inference_batcher, models,
+    threads += [errors.thread(f"inference-{i}", inference, i, inference_batcher, acting_model,
                               weights_step, schema, device, flags.inference_torch_threads,
                               on_error=inference_batcher.close)
                 for i in range(flags.num_inference_threads)]
@@ -328,12 +265,12 @@ def train(flags):
     ended it. Under torchrun, this process is one of several learner ranks."""
     with training.Setup(flags, check_flags, distributed_ok=True) as setup, \
             local_servers.local_env_servers(flags) as servers:  # they boot meanwhile
-        inference_models = create_inference_models(flags, setup.env, setup.device)
-        with training.Run(setup, inference_models) as run:
+        acting_model = create_inference_models(flags, setup.env, setup.device)
+        with training.Run(setup, acting_model) as run:
             actor_addresses = wait_for_servers(run, servers)
             policy, env_errors = restarts.RestartPolicy(), 0
             while actor_addresses and not run.done() and not run.stop.is_set():
-                acting = acting_process.ActorPoolProcess(run, inference_models, actor_addresses,
+                acting = acting_process.ActorPoolProcess(run, acting_model, actor_addresses,
                                                          start_acting, env_errors)
                 learners = [run.thread(f"learner-{i}", learn, run, acting.batches(run.device))
                             for i in range(flags.num_learner_threads)]
@@ -353,7 +290,7 @@ def train(flags):
                     acting_process.close_and_join([], learners + acting.threads)
                     env_errors = acting.env_errors()
                 # A fresh process acts with the learner's latest weights, under new locks.
-                inference_models.renew_locks()
+                acting_model.renew_locks()
                 run.learner.publish()
 
 

@@ -125,7 +125,7 @@ def load_checkpoint(path, map_location="cpu"):
 
 # The flags that cannot change on a resume: the environment and the shape of the network
 # that the checkpoint's weights fit. Every other flag typed on a resume takes effect
-# (beast/flags.py merge_saved_flags), the optimizer's included (beast/learner.py
+# (merge_saved_flags), the optimizer's included (beast/learner.py
 # create_optimizer).
 FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size")
 
@@ -154,3 +154,38 @@ def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
             + "\nleave these flags out (a resume takes them from the run), or pass a new "
             "--xpid to start a fresh run"
         )
+
+
+def merge_saved_flags(flags, saved, given):
+    """On resume or test: the saved run's flags, brought up to date. This is the one place
+    where the flags of a run saved by older code meet today's, so that code reads flags.name
+    and never needs a fallback of its own.
+
+    A flag the user typed wins, and takes effect (the optimizer's included, see
+    learner.create_optimizer; checkpoint.check_compatible refuses those that fix the network).
+    Every other flag takes its saved value. A flag the saved run lacks (it came later) keeps
+    the parser's default, or the env default that apply_env_defaults fills in next, unless
+    BEFORE_THE_FLAG names the value that keeps the run doing what it did. A saved flag that
+    the parser no longer has is dropped.
+
+    Args:
+      flags: the parsed Namespace (changed in place).
+      saved: dict of the run's flags.json.
+      given: names typed on the command line (they win).
+    Returns flags.
+    """
+    keep_fresh = {"mode", "xpid", "savedir", "given"}
+    for key, value in saved.items():
+        if key in given or key in keep_fresh or not hasattr(flags, key):
+            continue
+        setattr(flags, key, value)
+    for key, value in BEFORE_THE_FLAG.items():
+        if key not in saved and key not in given:
+            setattr(flags, key, value)
+    return flags
+
+
+# Flags that changed what a run does by default after runs were saved without them, and the
+# value that keeps such a run doing what it did: a resume must not change its loss or its
+# learning-rate schedule midway.
+BEFORE_THE_FLAG = {"pg_clip": 0.0, "reward_scale": 1.0, "lr_warmup_steps": 0, "init": "torch"}

@@ -29,11 +29,10 @@ KIND_LABELS = {
 
 PRECISIONS = ["auto", "fp32", "bf16"]
 
-# Defaults by kind of environment, for the flags that default to None. Every kind lists every key.
+# Defaults by kind of environment, for the flags that default to None; every kind lists every
+# key. Why each value is what it is, with the runs that chose it: docs/defaults.md.
 ENV_DEFAULTS = {
-    # TorchBeast's settings (the IMPALA paper's single-machine ones) but for the init and
-    # the batch: with PyTorch's init the Atari net's torso can die on Pong before it sees the
-    # ball, and batches of 4 x 20 steps update 8 times as often per frame as TorchBeast's 8 x 80.
+    # TorchBeast's settings, but for the orthogonal init and batches of 4 x 20 steps.
     "atari": dict(
         model="atari",
         init="orthogonal",
@@ -43,71 +42,39 @@ ENV_DEFAULTS = {
         learning_rate=0.00048,
         epsilon=0.01,
         entropy_cost=0.0006,
-        grad_norm_clipping=40.0,  # TorchBeast's clip
+        grad_norm_clipping=40.0,
         lr_warmup_steps=0,
-        pg_clip=0.0,  # IMPALA's loss, as TorchBeast trains Atari
-        # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
+        pg_clip=0.0,
         hidden_size=128,
         reward_clipping="abs_one",
         episodic_life=False,
         discounting=0.99,
         reward_scale=1.0,
-        # The Atari net's convolutions dominate a step of the learner and of the actors, and
-        # bf16 runs them faster wherever the CPU has bf16 instructions; "auto" turns it on
-        # there (resolve_precisions).
         precision="auto",
         acting_precision="auto",
     ),
-    # Written for MinAtar: the vector settings except for the net, the schedule, the step
-    # size, the unroll and the entropy cost.
-    # The ResNet, not the Atari net: the Atari net's 8x8 stride-4 first layer needs frames of
-    # at least 36 px, and MinAtar's are 10x10. The ResNet (3x3 convolutions, padded
-    # poolings) fits frames of any size, so an image env with large frames gets a net that
-    # fits as well; it is the IMPALA paper's net for 84x84 frames.
+    # MinAtar's: the IMPALA ResNet (it fits frames of any size), a trust region.
     "image": dict(
         model="resnet",
         init="torch",
         total_steps=5_000_000,
         batch_size=16,
         unroll_length=20,
-        # Twice TorchBeast's step, with RMSprop's epsilon at 0.1 instead of 0.01. RMSprop
-        # divides each gradient by the root of that parameter's running mean square plus
-        # epsilon, and units that have gone quiet have roots far below 0.01: with epsilon
-        # 0.01, such a parameter's first real gradient moves it by up to lr x g / 0.01, which
-        # at the larger step can throw the policy into a collapse. Epsilon 0.1 bounds that
-        # step at a tenth.
         learning_rate=0.00096,
         epsilon=0.1,
         entropy_cost=0.01,
-        # A guard against outliers, about 40 per sample of the default batch (T x B = 320):
-        # TorchBeast's 40 for the whole batch cuts nearly every update on these tasks, which
-        # makes all of them one size, the quiet ones as large as the informative ones.
         grad_norm_clipping=12_800.0,
         lr_warmup_steps=0,
-        # PPO's trust region on V-trace's advantages (beast/learner.py, trust_region): a run
-        # of batches cannot carry an action's probability far from what the actors saw, which
-        # keeps the policy from turning deterministic on the way (its return then sits at 0
-        # until it comes back). The region [0.6, 1.4] is wide enough to leave the pace of
-        # learning as it is.
         pg_clip=0.4,
-        # The fc of --model small (the MinAtar paper's 128); the other conv nets ignore it.
         hidden_size=128,
         reward_clipping="none",
         episodic_life=False,
         discounting=0.99,
         reward_scale=1.0,
-        precision="fp32",  # this kind's results are float32's
+        precision="fp32",
         acting_precision="fp32",
     ),
-    # Chosen with `python -m bench.solve` on CartPole-v1: settings that reach a mean return of
-    # 475 on every tuning seed. T=80 means fewer learner steps per env step (more SPS,
-    # steadier). The learning rate decays to 0 over total_steps: the late, small steps are
-    # what settle the policy, so the schedule ends soon after the task is usually solved, with
-    # room left for PolyBeast's longer policy lag. Rewards x 0.1: a CartPole fall is the cart
-    # drifting off the track, and with rewards unscaled (values near 100) the value loss's
-    # gradient, which shares the policy's torso and so RMSprop's scale for its steps, drowns
-    # the policy's (it grows with the square of the scale, the policy's with the scale). With
-    # the scale, a smaller learning rate falls less often and learns as fast.
+    # CartPole's, chosen with `python -m bench.solve`: T=80, rewards x 0.1, a warm-up.
     "vector": dict(
         model="mlp",
         init="torch",
@@ -117,29 +84,18 @@ ENV_DEFAULTS = {
         learning_rate=0.004,
         epsilon=0.01,
         entropy_cost=0.005,
-        # About 40 per sample of T x B = 1,280, as for images: 40 for the whole batch cuts
-        # every update. The warm-up does what that clip did for the first updates: RMSprop's
-        # running mean of squared gradients starts at 0, so with alpha 0.99 its first steps are
-        # up to 10x the learning rate, which can turn a young policy deterministic.
         grad_norm_clipping=50_000.0,
         lr_warmup_steps=100_000,
-        pg_clip=0.0,  # tuned without it; CartPole's best policy is deterministic anyway
+        pg_clip=0.0,
         hidden_size=128,
         reward_clipping="none",
         episodic_life=False,
         discounting=0.99,
         reward_scale=0.1,
-        precision="fp32",  # this kind's results are float32's
+        precision="fp32",
         acting_precision="fp32",
     ),
-    # Gaussian policies on Box action spaces (beast/models.py), chosen on Pendulum-v1
-    # (tests/test_continuous.py learns it). Short unrolls and small batches: IMPALA makes one
-    # update per batch, and long unrolls in large batches make too few of them in a short
-    # run. Rewards times 0.1 keep the values near 1: unscaled (-16 per step at worst), the
-    # value loss swamps the shared torso. Discount 0.9: Pendulum's rewards follow its actions
-    # at once, and a longer horizon learns slower. Locomotion tasks (MuJoCo) usually want
-    # 0.99, which bench/learn.py passes for HalfCheetah. The mean is tanh-squashed
-    # (beast/models.py): without it a torque pinned at a bound stalls learning.
+    # Gaussian policies on Box action spaces, chosen on Pendulum-v1.
     "continuous": dict(
         model="mlp",
         init="torch",
@@ -151,13 +107,13 @@ ENV_DEFAULTS = {
         entropy_cost=0.0,
         grad_norm_clipping=40.0,
         lr_warmup_steps=0,
-        pg_clip=0.0,  # tuned without it
+        pg_clip=0.0,
         hidden_size=64,
         reward_clipping="none",
         episodic_life=False,
         discounting=0.9,
         reward_scale=0.1,
-        precision="fp32",  # this kind's results are float32's
+        precision="fp32",
         acting_precision="fp32",
     ),
 }
@@ -678,41 +634,6 @@ def explicit_flags(parser, argv):
             shadow.add_argument(*action.option_strings, **kwargs)
     given, _ = shadow.parse_known_args(argv)
     return set(vars(given))
-
-
-def merge_saved_flags(flags, saved, given):
-    """On resume or test: the saved run's flags, brought up to date. This is the one place
-    where the flags of a run saved by older code meet today's, so that code reads flags.name
-    and never needs a fallback of its own.
-
-    A flag the user typed wins, and takes effect (the optimizer's included, see
-    learner.create_optimizer; checkpoint.check_compatible refuses those that fix the network).
-    Every other flag takes its saved value. A flag the saved run lacks (it came later) keeps
-    the parser's default, or the env default that apply_env_defaults fills in next, unless
-    BEFORE_THE_FLAG names the value that keeps the run doing what it did. A saved flag that
-    the parser no longer has is dropped.
-
-    Args:
-      flags: the parsed Namespace (changed in place).
-      saved: dict of the run's flags.json.
-      given: names typed on the command line (they win).
-    Returns flags.
-    """
-    keep_fresh = {"mode", "xpid", "savedir", "given"}
-    for key, value in saved.items():
-        if key in given or key in keep_fresh or not hasattr(flags, key):
-            continue
-        setattr(flags, key, value)
-    for key, value in BEFORE_THE_FLAG.items():
-        if key not in saved and key not in given:
-            setattr(flags, key, value)
-    return flags
-
-
-# Flags that changed what a run does by default after runs were saved without them, and the
-# value that keeps such a run doing what it did: a resume must not change its loss or its
-# learning-rate schedule midway.
-BEFORE_THE_FLAG = {"pg_clip": 0.0, "reward_scale": 1.0, "lr_warmup_steps": 0, "init": "torch"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -90,7 +90,7 @@ def prepare_run(flags, check_flags=None, ranks=None):
         run_dir, saved_flags, checkpoint = read_saved_run(flags, run_dir, ranks, claim)
         flags.xpid = run_dir.xpid
         if saved_flags is not None:
-            beast_flags.merge_saved_flags(flags, saved_flags, flags.given)
+            ckpt.merge_saved_flags(flags, saved_flags, flags.given)
         env, precisions = check_flags_for_env(flags, check_flags, checkpoint)
         if ranks.is_main:  # the others write nothing
             run_dir.create()

@@ -8,7 +8,7 @@ MAX_FUNCTION_LINES = 60  # code lines, the docstring not counted
 
 
 def python_files():
-    for pattern in ("*.py", "beast/*.py", "bench/*.py"):
+    for pattern in ("*.py", "beast/*.py", "beast/*/*.py", "bench/*.py"):
         yield from sorted(REPO.glob(pattern))
 
 

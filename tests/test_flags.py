@@ -12,6 +12,7 @@ import time
 import pytest
 
 import polybeast_env
+from beast import checkpoint as ckpt
 from beast import flags as beast_flags
 from beast.flags import ENV_DEFAULTS, KIND_LABELS
 
@@ -222,7 +223,7 @@ def test_a_run_saved_before_a_flag_resumes_with_what_it_did_then():
     a run saved with it keeps its value."""
     def resumed(argv, saved):
         flags = common_parser().parse_args(argv)
-        beast_flags.merge_saved_flags(flags, saved, beast_flags.explicit_flags(
+        ckpt.merge_saved_flags(flags, saved, beast_flags.explicit_flags(
             common_parser(), argv))
         return beast_flags.apply_env_defaults(flags, "image")
 
@@ -258,7 +259,7 @@ def test_old_saved_flags_are_brought_up_to_date_in_one_place():
 def resumed_flags(parser, argv, saved, kind="vector"):
     flags = parser.parse_args(argv)
     flags.given = beast_flags.explicit_flags(parser, argv)
-    beast_flags.merge_saved_flags(flags, saved, flags.given)
+    ckpt.merge_saved_flags(flags, saved, flags.given)
     return beast_flags.apply_env_defaults(flags, kind)
 
 

@@ -30,6 +30,7 @@ from beast import restarts
 from beast import runlog
 from beast import training
 from beast.poly import acting_process
+from beast.poly import inference_models
 from beast.poly import layout as poly_layout
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -161,7 +162,7 @@ class TwoHalves(torch.nn.Module):
 
 
 def test_inference_never_sees_half_copied_weights():
-    models = polybeast.InferenceModels([TwoHalves(), TwoHalves()])
+    models = inference_models.InferenceModels([TwoHalves(), TwoHalves()])
     source = TwoHalves()
     stop, seen = threading.Event(), []
 
@@ -196,7 +197,7 @@ def test_inference_models_abandon_the_locks_of_a_dead_process():
     """A forked acting process that dies holding a replica's lock (SIGKILL mid forward pass)
     must not stall the learner: its weight copy gives up once the locks are abandoned, and
     fresh locks work again."""
-    models = polybeast.InferenceModels([TwoHalves()], context=acting_process.FORK)
+    models = inference_models.InferenceModels([TwoHalves()], context=acting_process.FORK)
     holder = acting_process.FORK.Process(target=lambda: models.locks[0].acquire() and os._exit(0))
     holder.start()
     holder.join(WAIT_S)

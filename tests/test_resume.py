@@ -59,7 +59,7 @@ def resumed_flags(saved, *argv):
     parser = beast_flags.common_parser()
     flags = parser.parse_args(list(argv))
     flags.given = beast_flags.explicit_flags(parser, list(argv))
-    beast_flags.merge_saved_flags(flags, saved, flags.given)
+    ckpt.merge_saved_flags(flags, saved, flags.given)
     return beast_flags.apply_env_defaults(flags, "vector")
 
 

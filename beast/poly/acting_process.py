@@ -59,12 +59,12 @@ class ActorPoolProcess:
     the learner queue's.
     """
 
-    def __init__(self, run, models, addresses, start_acting, env_errors_before=0):
+    def __init__(self, run, acting_model, addresses, start_acting, env_errors_before=0):
         """start_acting: polybeast.start_acting, which the process runs to start the actor
-        pool and inference; models: the InferenceModels; addresses: one per actor thread."""
+        pool and inference; acting_model: the InferenceModels; addresses: one per actor thread."""
         flags = run.flags
-        context = models.context
-        self.slots = [create_slot(flags, run.schema, models)
+        context = acting_model.context
+        self.slots = [create_slot(flags, run.schema, acting_model)
                       for _ in range(flags.num_learner_threads)]
         self.full_reader, full_writer = context.Pipe(duplex=False)
         free_reader, self.free_writer = context.Pipe(duplex=False)
@@ -81,13 +81,13 @@ class ActorPoolProcess:
         for index in range(len(self.slots)):
             self.free_writer.send(index)
         self.threads = []  # check() watches the process
-        self.models, self.env_errors_before = models, env_errors_before
+        self.acting_model, self.env_errors_before = acting_model, env_errors_before
         self.started = time.monotonic()
         self.process = context.Process(
             target=run_acting_process, name="acting", daemon=True,
-            args=(start_acting, flags, run.schema, models, run.learner.weights_step, addresses,
-                  self.slots, free_reader, full_writer, error_writer, self.error_count,
-                  self.stopping, os.getpid(), run.device))
+            args=(start_acting, flags, run.schema, acting_model, run.learner.weights_step,
+                  addresses, self.slots, free_reader, full_writer, error_writer,
+                  self.error_count, self.stopping, os.getpid(), run.device))
         self.process.start()
 
     def env_errors(self):
@@ -142,7 +142,7 @@ class ActorPoolProcess:
                   "killing it.", file=sys.stderr)
             self.process.kill()
             self.process.join(JOIN_TIMEOUT_S)
-        self.models.abandon()
+        self.acting_model.abandon()
 
 
 class ActingDied(RuntimeError):
@@ -155,16 +155,16 @@ class ActingDied(RuntimeError):
                          f"{restarts.how_it_ended(exitcode)} while the run went on.")
 
 
-def create_slot(flags, schema, models):
+def create_slot(flags, schema, acting_model):
     """Shared memory for one learner batch: every rollout field [T+1, B, ...] and the
     agent state before step 0 of each rollout [layers, B, hidden]. On the CPU, whatever the
     learner's device: the acting process writes it from the actor pool's arrays."""
     state = tuple(s.cpu().share_memory_()
-                  for s in models.replicas[0].initial_state(flags.batch_size))
+                  for s in acting_model.replicas[0].initial_state(flags.batch_size))
     return schema.shared_zeros((flags.unroll_length + 1, flags.batch_size)), state
 
 
-def run_acting_process(start_acting, flags, schema, models, weights_step, addresses, slots,
+def run_acting_process(start_acting, flags, schema, acting_model, weights_step, addresses, slots,
                        free_reader, full_writer, error_writer, error_count, stopping, parent,
                        device):
     """The acting process's main thread: starts the actor pool, inference (on device, the
@@ -175,7 +175,7 @@ def run_acting_process(start_acting, flags, schema, models, weights_step, addres
     torch.set_num_threads(1)
     errors = training.ThreadErrors()
     learner_queue, queues, threads, actor_pool = start_acting(
-        errors, flags, schema, models, weights_step, addresses, device)
+        errors, flags, schema, acting_model, weights_step, addresses, device)
     threads.append(errors.thread("fill-slots", fill_slots, learner_queue, slots, free_reader,
                                  full_writer, stopping))
     threads[-1].start()
@@ -193,7 +193,7 @@ def run_acting_process(start_acting, flags, schema, models, weights_step, addres
         # A spawned process's replicas are the learner's GPU memory (CUDA IPC): let go of
         # them before exiting (a process ends without freeing), or the learner warns at its
         # exit that they were never released.
-        models.replicas.clear()
+        acting_model.replicas.clear()
         gc.collect()
 
 
