@@ -3,28 +3,28 @@
 Every network has the same data path; only the torso differs:
 
     frame [T, B, *obs] --torso--> features [T*B, F]
-    core input = features ++ clip(reward, -1, 1) ++ one_hot(last_action)
+    core input = features ++ clip(reward, -1, 1) ++ the last action (one-hot)
     core input --(optional LSTM, reset at episode starts)--> core output
     core output --> policy_logits [T, B, A], baseline [T, B]; action sampled
                     from softmax(policy_logits) in train mode, its argmax in eval
                     mode (model.eval(): offline evaluation and --mode test)
 
-With a Box action space of A dimensions (continuous=True) the last action enters
-the core as itself, clipped to [-1, 1], instead of one-hot, and the policy is a
-diagonal Gaussian: policy_mean [T, B, A] = tanh of a linear head, policy_logstd
-[T, B, A] one learned parameter per dimension (state-independent), action [T, B, A]
-sampled from it in train mode, the mean in eval mode. Actions live in [-1, 1] per
-dimension, which the environment side clips and maps to the Box's bounds; the
-sample is stored unclipped so that its log-probability is exact (beast/learner.py).
+The policy is an object of beast/policies.py, chosen once when the model is built: a
+softmax over num_actions (Categorical), or with a Box action space of A dimensions
+(continuous=True) a diagonal Gaussian (DiagonalGaussian: policy_mean and policy_logstd
+[T, B, A] in place of policy_logits, the last action entering the core as itself, clipped to
+[-1, 1], the action [T, B, A] sampled in train mode, the mean in eval mode). The model asks
+it for the head's fields and the action; the loss asks it for log-probabilities and the
+entropy.
 
 To try a new network, subclass ActorCritic, build the torso layers in
 __init__, pass their feature size to ActorCritic.__init__, write torso(), and
-add it to create_model. The core, the heads and the interface the learners use
+add it to MODELS. The core, the heads and the interface the learners use
 (forward, initial_state) come with the base class.
 
 Every key that forward returns becomes a field of the rollout (beast/rollout.py),
 in both variants: a new head only needs to return its output, [T, B, ...], and a
-loss term in beast/learner.py LOSS_TERMS can read it from the batch.
+loss term in beast/loss.py LOSS_TERMS can read it from the batch.
 """
 
 import math
@@ -33,12 +33,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from beast import policies
 from beast.rollout import OBSERVATION_PREFIX
-
-
-# The Gaussian policy's initial log-std: std 1 in the policy's [-1, 1] action units, i.e.
-# half of each action range, so that the first episodes try the whole range.
-INITIAL_LOGSTD = 0.0
 
 
 def _conv_output_size(size, kernel_size, stride, padding=0):
@@ -74,14 +70,21 @@ class ActorCritic(nn.Module):
       use_lstm: bool, whether to put a one-layer LSTM between torso and heads.
       continuous: bool, a Gaussian policy over float actions [A] (a Box action
         space) instead of a softmax over num_actions.
+
+    FLAGS: the flags (by name) that create_model passes to the constructor besides
+    use_lstm, for a subclass that takes them (SmallConvNet, MLP: hidden_size).
     """
+
+    FLAGS = ()
 
     def __init__(self, observation_shape, num_actions, feature_size, use_lstm,
                  continuous=False):
         super().__init__()
         self.observation_shape = tuple(observation_shape)
         self.num_actions = num_actions
-        self.continuous = continuous
+        # The kind of policy (beast/policies.py), chosen once: the heads, the last action's
+        # entry into the core and acting go through it.
+        self.policy_type = policies.DiagonalGaussian if continuous else policies.Categorical
         # The reward and last action let the policy condition on what its
         # previous action did, which matters most with a recurrent core.
         core_input_size = feature_size + 1 + num_actions
@@ -95,15 +98,7 @@ class ActorCritic(nn.Module):
             core_output_size = core_input_size
         self.policy = nn.Linear(core_output_size, num_actions)
         self.baseline = nn.Linear(core_output_size, 1)
-        if continuous:
-            # Means start near 0, the middle of every action range, so that the first
-            # episodes explore the whole range with the initial std rather than one end.
-            with torch.no_grad():
-                self.policy.weight.mul_(0.01)
-                self.policy.bias.zero_()
-            # State-independent, as PPO's usual Gaussian policy: simple and stable, and
-            # the entropy term (which depends on the log-std only) acts alike in every state.
-            self.policy_logstd = nn.Parameter(torch.full((num_actions,), INITIAL_LOGSTD))
+        self.policy_type.init_head(self)
 
     def torso(self, x):
         """Features of a flat batch of observations.
@@ -166,21 +161,17 @@ class ActorCritic(nn.Module):
             "start from zeros".
 
         Returns:
-          (outputs, core_state): outputs is a dict with policy_logits float32
-          [T, B, A], baseline float32 [T, B] and action int64 [T, B] (continuous:
-          policy_mean, policy_logstd and action, float32 [T, B, A] each);
-          core_state is the state after step T-1.
+          (outputs, core_state): outputs is a dict with the policy's fields
+          (policy_logits float32 [T, B, A]; continuous: policy_mean and policy_logstd,
+          float32 [T, B, A] each), baseline float32 [T, B] and action (int64 [T, B];
+          continuous: float32 [T, B, A]); core_state is the state after step T-1.
         """
         features = self.encode(inputs)
         T, B = inputs["reward"].shape[:2]
 
         reward = inputs["reward"].reshape(T * B, 1).float().clamp(-1.0, 1.0)
-        if self.continuous:
-            # Clipped: what the environment applied, in the policy's [-1, 1] units.
-            last_action = inputs["last_action"].reshape(T * B, self.num_actions).clamp(-1.0, 1.0)
-        else:
-            last_action = F.one_hot(inputs["last_action"].reshape(T * B), self.num_actions)
-        core_input = torch.cat([features, reward, last_action.float()], dim=-1)
+        last_action = self.policy_type.action_features(inputs["last_action"], self.num_actions)
+        core_input = torch.cat([features, reward, last_action], dim=-1)
 
         if self.core is None:
             core_output = core_input
@@ -189,43 +180,12 @@ class ActorCritic(nn.Module):
                                                      inputs["done"], core_state)
 
         baseline = self.baseline(core_output)
-        if self.continuous:
-            outputs = self._gaussian_policy(core_output, T, B)
-            outputs["baseline"] = baseline.view(T, B)
-            return outputs, core_state
-        policy_logits = self.policy(core_output)
-        if self.training:
-            action = torch.multinomial(F.softmax(policy_logits, dim=1), num_samples=1)
-        else:
-            # Greedy actions in eval mode (evaluation episodes, --mode test).
-            action = torch.argmax(policy_logits, dim=1)
-
-        outputs = dict(
-            policy_logits=policy_logits.view(T, B, self.num_actions),
-            baseline=baseline.view(T, B),
-            action=action.view(T, B),
-        )
+        policy = self.policy_type.from_head(self, core_output)
+        # Greedy actions in eval mode (evaluation episodes, --mode test).
+        action = policy.sample() if self.training else policy.mode()
+        outputs = {name: _steps(value, T, B) for name, value in policy.fields().items()}
+        outputs.update(baseline=baseline.view(T, B), action=_steps(action, T, B))
         return outputs, core_state
-
-    def _gaussian_policy(self, core_output, T, B):
-        """The Gaussian head on core outputs [T*B, F]: policy_mean, policy_logstd and
-        action, float32 [T, B, A] each; the action is sampled in train mode, the mean in
-        eval mode."""
-        # tanh keeps the mean inside [-1, 1]: a mean beyond a bound would act like the
-        # bound, so its samples, all clipped alike, would carry no gradient to bring it back.
-        # Only the mean is squashed; the distribution stays a Gaussian, whose log-density
-        # and entropy are exact.
-        mean = torch.tanh(self.policy(core_output))
-        # A new tensor, not a view of the parameter: under no_grad (acting) it must not
-        # require a gradient, and acting stores it in buffers.
-        logstd = torch.zeros_like(mean) + self.policy_logstd
-        if self.training:
-            action = mean + logstd.exp() * torch.randn_like(mean)
-        else:
-            action = mean
-        shape = (T, B, self.num_actions)
-        return dict(policy_mean=mean.view(shape), policy_logstd=logstd.reshape(shape),
-                    action=action.view(shape))
 
     def _run_core(self, core_input, done, core_state):
         """The LSTM over [T, B, F] inputs; returns (outputs [T*B, F], state after T-1).
@@ -253,6 +213,11 @@ class ActorCritic(nn.Module):
             output, core_state = self.core(core_input[start:end], core_state)
             core_outputs.append(output)
         return torch.cat(core_outputs).flatten(0, 1), core_state
+
+
+def _steps(x, T, B):
+    """A tensor [T*B, ...] as [T, B, ...]."""
+    return x.view(T, B, *x.shape[1:])
 
 
 class AtariNet(ActorCritic):
@@ -345,6 +310,8 @@ class SmallConvNet(ActorCritic):
     on large frames (84x84) its fc grows with the frame and it is the wrong choice.
     """
 
+    FLAGS = ("hidden_size",)
+
     def __init__(self, observation_shape, num_actions, use_lstm=False, hidden_size=128,
                  continuous=False):
         observation_shape = _image_shape(observation_shape, "small")
@@ -369,6 +336,8 @@ class MLP(ActorCritic):
       hidden_size: int, width of both layers.
       activation: "tanh" (the usual choice for small control tasks) or "relu".
     """
+
+    FLAGS = ("hidden_size",)
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
                  hidden_size=64, activation="tanh", continuous=False):
@@ -415,6 +384,8 @@ class DictNet(ActorCritic):
       hidden_size: int, the width of every encoder's output and of the features.
     """
 
+    FLAGS = ("hidden_size",)
+
     def __init__(self, observation_shapes, num_actions, use_lstm=False, hidden_size=64,
                  continuous=False):
         shapes = {key: tuple(shape) for key, shape in observation_shapes.items()}
@@ -459,21 +430,23 @@ def _entry_encoder(shape, hidden_size):
     return nn.Sequential(*layers)
 
 
-MODELS = ("atari", "resnet", "small", "mlp")
+# The networks that --model names: its choices are these keys (beast/flags.py reads them).
+# A Dict observation gets DictNet whatever --model says (it names a net for one array).
+MODELS = {"atari": AtariNet, "resnet": ResNet, "small": SmallConvNet, "mlp": MLP}
 
 
 def create_model(flags, observation_shape, num_actions, continuous=False):
     """Build the network that flags ask for, its weights initialized as flags.init says.
 
-    Reads flags.model ("atari", "resnet", "small" or "mlp"), flags.use_lstm,
-    flags.hidden_size (the width of the MLP's layers, of the small net's fc and of DictNet's
-    encoders and core) and flags.init ("torch" or "orthogonal", see init_orthogonal).
+    Reads flags.model (a key of MODELS), flags.use_lstm, the flags the network's class
+    names in its FLAGS (hidden_size: the width of the MLP's layers, of the small net's fc
+    and of DictNet's encoders and core) and flags.init ("torch" or "orthogonal", see
+    init_orthogonal).
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
       observation_shape: tuple, shape of one observation, e.g. (4, 84, 84);
-        for a Dict observation a dict {entry: shape}, which gets DictNet
-        whatever flags.model says (--model names a net for one array).
+        for a Dict observation a dict {entry: shape}, which gets DictNet.
       num_actions: int; with continuous, the length A of the action vector.
       continuous: a Gaussian policy for a Box action space (see ActorCritic).
 
@@ -481,31 +454,19 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
       ValueError: with a message naming the --model to use, when the model is
         unknown or the observations do not fit it.
     """
-    net = _build_model(flags, observation_shape, num_actions, continuous)
+    if isinstance(observation_shape, dict):
+        net = DictNet
+    elif flags.model in MODELS:
+        net = MODELS[flags.model]
+        observation_shape = tuple(observation_shape)
+    else:
+        raise ValueError(f"unknown --model {flags.model!r}; choose one of {', '.join(MODELS)}")
+    options = {name: getattr(flags, name) for name in net.FLAGS}
+    net = net(observation_shape, num_actions, use_lstm=flags.use_lstm, continuous=continuous,
+              **options)
     if flags.init == "orthogonal":
         init_orthogonal(net)
     return net
-
-
-def _build_model(flags, observation_shape, num_actions, continuous):
-    if isinstance(observation_shape, dict):
-        return DictNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
-                       hidden_size=flags.hidden_size, continuous=continuous)
-    observation_shape = tuple(observation_shape)
-    model = flags.model
-    if model == "atari":
-        return AtariNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
-                        continuous=continuous)
-    if model == "resnet":
-        return ResNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
-                      continuous=continuous)
-    if model == "small":
-        return SmallConvNet(observation_shape, num_actions, use_lstm=flags.use_lstm,
-                            hidden_size=flags.hidden_size, continuous=continuous)
-    if model == "mlp":
-        return MLP(observation_shape, num_actions, use_lstm=flags.use_lstm,
-                   hidden_size=flags.hidden_size, continuous=continuous)
-    raise ValueError(f"unknown --model {model!r}; choose one of {', '.join(MODELS)}")
 
 
 def init_orthogonal(model):

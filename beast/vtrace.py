@@ -43,11 +43,20 @@ VTraceFromLogitsReturns = collections.namedtuple(
 )
 
 
-def _check_rank(name, tensor, rank):
-    if tensor.dim() != rank:
-        raise ValueError(
-            f"vtrace: {name} must have rank {rank}, got shape {tuple(tensor.shape)}"
-        )
+def _check_shapes(steps_name, steps, discounts, rewards, values, bootstrap_value):
+    """ValueError unless `steps` (log_rhos, or from_logits' actions) is [T, B], discounts,
+    rewards and values are [T, B] too and bootstrap_value is [B]. Ranks and sizes are checked
+    once, where a public function is entered: a few comparisons of shapes, no device work."""
+    if steps.dim() != 2:
+        raise ValueError(f"vtrace: {steps_name} must have rank 2 ([T, B]), got shape "
+                         f"{tuple(steps.shape)}")
+    T, B = steps.shape
+    for name, tensor, shape in (("discounts", discounts, (T, B)), ("rewards", rewards, (T, B)),
+                                ("values", values, (T, B)),
+                                ("bootstrap_value", bootstrap_value, (B,))):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"vtrace: {name} must have shape {shape} ({steps_name} is "
+                             f"[T, B] = [{T}, {B}]), got shape {tuple(tensor.shape)}")
 
 
 def action_log_probs(policy_logits, actions):
@@ -103,14 +112,17 @@ def from_logits(
           gradient with respect to target_policy_logits, since the policy
           gradient loss is built from it.
     """
-    _check_rank("behavior_policy_logits", behavior_policy_logits, 3)
-    _check_rank("target_policy_logits", target_policy_logits, 3)
-    _check_rank("actions", actions, 2)
+    _check_shapes("actions", actions, discounts, rewards, values, bootstrap_value)
+    for name, logits in (("behavior_policy_logits", behavior_policy_logits),
+                         ("target_policy_logits", target_policy_logits)):
+        if logits.dim() != 3 or logits.shape[:2] != actions.shape:
+            raise ValueError(f"vtrace: {name} must have shape [T, B, A] with [T, B] = "
+                             f"{list(actions.shape)} (actions), got shape {tuple(logits.shape)}")
 
     target_action_log_probs = action_log_probs(target_policy_logits, actions)
     behavior_action_log_probs = action_log_probs(behavior_policy_logits, actions)
     log_rhos = target_action_log_probs - behavior_action_log_probs
-    vtrace_returns = from_importance_weights(
+    vtrace_returns = _from_importance_weights(
         log_rhos=log_rhos,
         discounts=discounts,
         rewards=rewards,
@@ -128,7 +140,6 @@ def from_logits(
     )
 
 
-@torch.no_grad()
 def from_importance_weights(
     log_rhos,
     discounts,
@@ -156,23 +167,15 @@ def from_importance_weights(
       VTraceReturns with vs (float32 [T, B], the value targets) and
       pg_advantages (float32 [T, B]). Neither carries gradient.
     """
-    _check_rank("log_rhos", log_rhos, 2)
-    _check_rank("discounts", discounts, 2)
-    _check_rank("rewards", rewards, 2)
-    _check_rank("values", values, 2)
-    _check_rank("bootstrap_value", bootstrap_value, 1)
-    for name, tensor in (("discounts", discounts), ("rewards", rewards), ("values", values)):
-        if tensor.shape != log_rhos.shape:
-            raise ValueError(
-                f"vtrace: {name} has shape {tuple(tensor.shape)} but log_rhos has "
-                f"{tuple(log_rhos.shape)}; all [T, B] inputs must match"
-            )
-    if bootstrap_value.shape[0] != log_rhos.shape[1]:
-        raise ValueError(
-            f"vtrace: bootstrap_value has shape {tuple(bootstrap_value.shape)}, "
-            f"expected [B] = [{log_rhos.shape[1]}]"
-        )
+    _check_shapes("log_rhos", log_rhos, discounts, rewards, values, bootstrap_value)
+    return _from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value,
+                                    clip_rho_threshold, clip_pg_rho_threshold)
 
+
+@torch.no_grad()
+def _from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value,
+                             clip_rho_threshold, clip_pg_rho_threshold):
+    """from_importance_weights on inputs whose shapes were checked."""
     rhos = torch.exp(log_rhos)
     if clip_rho_threshold is not None:
         clipped_rhos = torch.clamp(rhos, max=clip_rho_threshold)

@@ -16,7 +16,7 @@ import torch
 from gymnasium import spaces
 
 import flag_helpers
-from beast import checkpoint, envs, learner, models, rollout, vector_envs
+from beast import checkpoint, envs, loss, models, policies, rollout, vector_envs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOIN_TIMEOUT_S = 30
@@ -42,8 +42,9 @@ def random_gaussian(seed, shape=(5, 3, 2)):
 def test_log_probs_are_the_log_of_the_density_summed_over_dimensions():
     mean, logstd, actions = random_gaussian(0)
     expected = np.log(gaussian_pdf_np(actions, mean, np.exp(logstd))).sum(-1)
-    got = learner.gaussian_log_probs(*(torch.tensor(x, dtype=torch.float32)
-                                       for x in (mean, logstd, actions)))
+    mean, logstd, actions = (torch.tensor(x, dtype=torch.float32)
+                             for x in (mean, logstd, actions))
+    got = policies.DiagonalGaussian(mean, logstd).log_prob(actions)
     assert got.shape == (5, 3)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
 
@@ -53,7 +54,7 @@ def test_log_prob_gradients():
     mean, logstd, actions = random_gaussian(1)
     mean_t = torch.tensor(mean, requires_grad=True)
     logstd_t = torch.tensor(logstd, requires_grad=True)
-    learner.gaussian_log_probs(mean_t, logstd_t, torch.tensor(actions)).sum().backward()
+    policies.DiagonalGaussian(mean_t, logstd_t).log_prob(torch.tensor(actions)).sum().backward()
     var = np.exp(2 * logstd)
     np.testing.assert_allclose(mean_t.grad.numpy(), (actions - mean) / var, rtol=1e-10)
     np.testing.assert_allclose(logstd_t.grad.numpy(), (actions - mean) ** 2 / var - 1,
@@ -69,7 +70,8 @@ def test_entropy_is_the_negative_expected_log_density():
         x = np.linspace(-12 * std[index], 12 * std[index], 200_001)
         p = gaussian_pdf_np(x, 0.0, std[index])
         expected[index[:2]] += -np.sum(p * np.log(p)) * (x[1] - x[0])
-    got = learner.gaussian_entropy(torch.tensor(logstd, dtype=torch.float32))
+    logstd_t = torch.tensor(logstd, dtype=torch.float32)
+    got = policies.DiagonalGaussian(torch.zeros_like(logstd_t), logstd_t).entropy()
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -131,13 +133,13 @@ def test_compute_loss_matches_the_reference():
     flags = flag_helpers.make_flags(discounting=0.9, reward_clipping="none", reward_scale=0.1,
                                     baseline_cost=0.5, entropy_cost=0.01)
     batch, outputs = continuous_batch()
-    _, stats = learner.compute_loss(flags, outputs, batch)
+    _, stats = loss.compute_loss(flags, outputs, batch)
     expected = reference_loss(flags, outputs, batch)
     for name, value in expected.items():
         np.testing.assert_allclose(float(stats[name]), value, rtol=1e-4, atol=1e-4,
                                    err_msg=name)
     # The fixture exercises clipping: some importance weights are above 1, some below.
-    log_rhos = learner.loss_inputs(flags, outputs, batch).vtrace_returns.log_rhos
+    log_rhos = loss.loss_inputs(flags, outputs, batch).vtrace_returns.log_rhos
     assert (log_rhos > 0).any() and (log_rhos < 0).any()
 
 
@@ -149,8 +151,8 @@ def test_policy_gradient_moves_the_mean_towards_good_actions():
     outputs = {k: v.clone().requires_grad_(True) for k, v in outputs.items()}
     batch["reward"][1:] = 0.0
     batch["reward"][1, 0] = 10.0  # action [0, 0] was good
-    loss, _ = learner.compute_loss(flags, outputs, batch)
-    loss.backward()
+    total, _ = loss.compute_loss(flags, outputs, batch)
+    total.backward()
     step = (batch["action"][0, 0] - outputs["policy_mean"][0, 0]).detach()
     # -grad (the descent direction) points from the mean towards the good action.
     assert torch.dot(-outputs["policy_mean"].grad[0, 0], step) > 0
@@ -219,8 +221,8 @@ def test_learner_gradient_reaches_the_logstd_parameter():
                  policy_mean=outputs["policy_mean"].detach(),
                  policy_logstd=outputs["policy_logstd"].detach())
     batch["done"] = torch.zeros(4, 5, dtype=torch.bool)
-    loss, _ = learner.compute_loss(flags, outputs, batch)
-    loss.backward()
+    total, _ = loss.compute_loss(flags, outputs, batch)
+    total.backward()
     assert model.policy_logstd.grad is not None and model.policy_logstd.grad.abs().sum() > 0
 
 

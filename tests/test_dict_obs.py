@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 import flag_helpers
 import monobeast
-from beast import envs, learner, models, rollout, runlog, training
+from beast import envs, loss, models, rollout, runlog, training
 from tests import dict_obs_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ def train_recording_batches(variant, tmp_path, monkeypatch, *args):
         seen.append({k: v.detach().clone() for k, v in inputs.batch.items()})
         return inputs.learner_outputs["baseline"].sum() * 0.0
 
-    monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (record_batch,))
+    monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (record_batch,))
     code = variant.main(["--env", ENV, "--savedir", str(tmp_path), "--no_progress",
                          "--total_steps", "400", "--unroll_length", "10", "--batch_size", "4",
                          *args])

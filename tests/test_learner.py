@@ -1,10 +1,10 @@
 """The learner's loss and step against an independent reference written like the paper.
 
 The reference computes the IMPALA loss (Espeholt et al. 2018, section 4) in
-float64 NumPy from the rollout as the actors write it (see beast/learner.py's
+float64 NumPy from the rollout as the actors write it (see beast/loss.py's
 module docstring): agent-side keys cut to [:-1], environment-side keys
 (reward, done) to [1:], the last baseline bootstrapping. It never calls
-beast.vtrace or beast.learner, so agreement checks the indexing, the reward
+beast.vtrace, beast.policies or beast.loss, so agreement checks the indexing, the reward
 clipping, the V-trace recursion and the three loss terms together.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from beast import learner
+from beast import learner, loss, policies
 import flag_helpers
 
 T, B, A, OBS = 3, 2, 3, 4
@@ -163,7 +163,7 @@ def test_fixture_exercises_every_rule():
 def test_compute_loss_matches_reference(reward_clipping):
     flags = make_flags(reward_clipping=reward_clipping)
     outputs, batch = make_learner_outputs(), make_batch()
-    total_loss, stats = learner.compute_loss(flags, outputs, batch)
+    total_loss, stats = loss.compute_loss(flags, outputs, batch)
     # The logs.csv columns, in this order.
     assert list(stats) == ["total_loss", "pg_loss", "baseline_loss", "entropy_loss"]
     assert total_loss.dim() == 0
@@ -175,9 +175,9 @@ def test_compute_loss_sums_over_time_and_batch():
     # Doubling B by repeating the batch doubles every term (a mean would not).
     flags = make_flags()
     outputs, batch = make_learner_outputs(), make_batch()
-    _, stats = learner.compute_loss(flags, outputs, batch)
+    _, stats = loss.compute_loss(flags, outputs, batch)
     doubled = lambda d: {k: torch.cat([v, v], dim=1) for k, v in d.items()}
-    _, stats2 = learner.compute_loss(flags, doubled(outputs), doubled(batch))
+    _, stats2 = loss.compute_loss(flags, doubled(outputs), doubled(batch))
     for name in stats:
         np.testing.assert_allclose(float(stats2[name]), 2 * float(stats[name]), rtol=RTOL)
 
@@ -289,11 +289,11 @@ def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
     kept = ~cut & (np.abs(rho - 1) > eps)  # outside the region, but pushing back towards it
     # The fixture has samples of all three kinds; otherwise the clip could be a no-op here.
     assert cut.any() and kept.any() and (np.abs(rho - 1) < eps - 0.1).any()
-    loss, stats = learner.compute_loss(flags, outputs, batch)
-    (grad,) = torch.autograd.grad(loss, logits)
+    total, stats = loss.compute_loss(flags, outputs, batch)
+    (grad,) = torch.autograd.grad(total, logits)
     (expected,) = torch.autograd.grad(ppo_surrogate_loss(flags, outputs, batch), logits)
     torch.testing.assert_close(grad, expected, rtol=RTOL, atol=ATOL)
-    (unclipped,) = torch.autograd.grad(learner.compute_loss(make_flags(), outputs, batch)[0],
+    (unclipped,) = torch.autograd.grad(loss.compute_loss(make_flags(), outputs, batch)[0],
                                        logits)
     assert not torch.allclose(grad, unclipped, atol=1e-4)  # the clip changed the step
     # The logged pg_loss is the clipped one: the cut samples add nothing.
@@ -302,7 +302,7 @@ def test_pg_clip_has_the_gradient_of_ppos_clipped_surrogate():
                                rtol=RTOL, atol=ATOL)
     # pg_clipped logs how often the region binds: the share of samples cut.
     assert float(stats["pg_clipped"]) == pytest.approx(cut.mean())
-    assert "pg_clipped" not in learner.compute_loss(make_flags(), outputs, batch)[1]
+    assert "pg_clipped" not in loss.compute_loss(make_flags(), outputs, batch)[1]
 
 
 @pytest.mark.parametrize("mode", ["mean", "mean_std"])
@@ -328,7 +328,7 @@ def test_normalized_advantages_are_centred_and_scaled_over_the_batch(mode, pg_cl
         kept = ~(((normalized > 0) & (rho > 1 + pg_clip)) |
                  ((normalized < 0) & (rho < 1 - pg_clip)))
         assert not kept.all()
-    _, stats = learner.compute_loss(flags, outputs, batch)
+    _, stats = loss.compute_loss(flags, outputs, batch)
     plain = reference_loss_np(make_flags(pg_clip=pg_clip), outputs, batch)
     expected = dict(pg_loss=-(log_pi_a * normalized * kept).sum(),
                     baseline_loss=plain["baseline_loss"], entropy_loss=plain["entropy_loss"])
@@ -347,8 +347,11 @@ def test_learn_step_logs_the_policy_entropy():
                                -(np.exp(log_pi) * log_pi).sum(-1).mean(), rtol=RTOL)
     assert stats["policy_entropy"] == pytest.approx(-stats["entropy_loss"] /
                                                     (flags.entropy_cost * T * B), rel=1e-5)
-    assert learner.policy_entropy(torch.tensor([[[50.0, 0.0, 0.0]]])) < 1e-15  # deterministic
-    assert float(learner.policy_entropy(torch.zeros(1, 1, A))) == pytest.approx(np.log(A))
+    def policy_entropy(logits):
+        return policies.Categorical(logits).stats()["policy_entropy"]
+
+    assert policy_entropy(torch.tensor([[[50.0, 0.0, 0.0]]])) < 1e-15  # deterministic
+    assert float(policy_entropy(torch.zeros(1, 1, A))) == pytest.approx(np.log(A))
 
 
 # ---- the LOSS_TERMS contract ----
@@ -359,10 +362,10 @@ def aux_loss(flags, inputs):
 
 
 def test_added_term_is_summed_and_logged(monkeypatch):
-    monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (aux_loss,))
+    monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (aux_loss,))
     flags, outputs, batch = make_flags(), make_learner_outputs(), make_batch()
     outputs["aux"] = torch.full((T + 1, B), 3.0)
-    total_loss, stats = learner.compute_loss(flags, outputs, batch)
+    total_loss, stats = loss.compute_loss(flags, outputs, batch)
     expected = reference_loss_np(flags, outputs, batch)
     expected["aux_loss"] = 9.0 * T * B
     expected["total_loss"] += expected["aux_loss"]
@@ -374,7 +377,7 @@ def test_added_term_is_summed_and_logged(monkeypatch):
 @pytest.mark.parametrize("with_term", [False, True])
 def test_added_term_trains_what_only_it_reaches(monkeypatch, with_term):
     if with_term:
-        monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (aux_loss,))
+        monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (aux_loss,))
     flags, batch, model = make_flags(), make_batch(), TinyModel(with_aux=True)
     before = model.aux.weight.detach().clone()
     stats = sgd_step(flags, model, batch, lr=0.1)
@@ -383,31 +386,48 @@ def test_added_term_trains_what_only_it_reaches(monkeypatch, with_term):
 
 
 def test_removing_a_term_removes_it(monkeypatch):
-    monkeypatch.setattr(learner, "LOSS_TERMS", (learner.pg_loss,))
+    monkeypatch.setattr(loss, "LOSS_TERMS", (loss.pg_loss,))
     flags, outputs, batch = make_flags(), make_learner_outputs(), make_batch()
-    total_loss, stats = learner.compute_loss(flags, outputs, batch)
+    total_loss, stats = loss.compute_loss(flags, outputs, batch)
     assert list(stats) == ["total_loss", "pg_loss"]
     expected = reference_loss_np(flags, outputs, batch)["pg_loss"]
     np.testing.assert_allclose(float(total_loss), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_term_name_clash_is_refused(monkeypatch):
-    def total_loss(flags, inputs):
+@pytest.mark.parametrize("name", ["pg_loss", "total_loss"])
+def test_term_name_clash_is_refused_at_start_up(monkeypatch, name):
+    """A term's name is its logs.csv column: the check runs on import (the shipped list) and
+    when a Learner starts (the list the run uses), not on every step."""
+    def extra(flags, inputs):
         return inputs.values.sum()
 
-    for terms in [learner.LOSS_TERMS + (learner.pg_loss,), learner.LOSS_TERMS + (total_loss,)]:
-        monkeypatch.setattr(learner, "LOSS_TERMS", terms)
-        with pytest.raises(ValueError, match="already a stats entry"):
-            learner.compute_loss(make_flags(), make_learner_outputs(), make_batch())
+    extra.__name__ = name
+    loss.check_loss_terms(loss.LOSS_TERMS)
+    with pytest.raises(ValueError, match="already a stats entry"):
+        loss.check_loss_terms(loss.LOSS_TERMS + (extra,))
+    monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (extra,))
+    flags = make_flags(unroll_length=T, batch_size=B, total_steps=100)
+    with pytest.raises(ValueError, match="already a stats entry"):
+        learner.Learner(flags, TinyModel(), TinyModel())
 
 
 def test_non_scalar_term_is_refused(monkeypatch):
     def per_step_loss(flags, inputs):
         return inputs.values
 
-    monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (per_step_loss,))
-    with pytest.raises(ValueError, match="per_step_loss returned shape"):
-        learner.compute_loss(make_flags(), make_learner_outputs(), make_batch())
+    monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (per_step_loss,))
+    with pytest.raises(ValueError, match=r"per_step_loss \(3, 2\)"):
+        loss.compute_loss(make_flags(), make_learner_outputs(), make_batch())
+
+
+def test_a_wrong_rank_is_refused_where_it_enters():
+    """The loss asserts no shapes per step: a model's outputs are checked when the run starts
+    (rollout.Schema.of refuses a value head left [T+1, B, 1]), the [T, B] inputs of V-trace
+    where it is entered, which names what does not fit."""
+    outputs = make_learner_outputs()
+    outputs["baseline"] = outputs["baseline"].unsqueeze(-1)
+    with pytest.raises(ValueError, match=r"values must have shape \(3, 2\)"):
+        loss.compute_loss(make_flags(), outputs, make_batch())
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])

@@ -93,6 +93,33 @@ def test_create_model_picks_classes():
     assert isinstance(relu.layers[1], torch.nn.ReLU)
 
 
+class TinyNet(models.ActorCritic):
+    """A forker's network: a torso of one linear layer, of --hidden_size."""
+
+    FLAGS = ("hidden_size",)
+
+    def __init__(self, observation_shape, num_actions, use_lstm=False, hidden_size=4,
+                 continuous=False):
+        super().__init__(observation_shape, num_actions, hidden_size, use_lstm, continuous)
+        self.fc = torch.nn.Linear(observation_shape[0], hidden_size)
+
+    def torso(self, x):
+        return self.fc(x)
+
+
+def test_models_is_the_one_list_of_networks(monkeypatch):
+    """--model's choices are MODELS' keys, and a network added to MODELS is what create_model
+    builds for its name, with the flags its FLAGS names."""
+    parser = beast_flags.common_parser()
+    (action,) = (a for a in parser._actions if a.dest == "model")
+    assert list(action.choices) == list(models.MODELS)
+    monkeypatch.setitem(models.MODELS, "tiny", TinyNet)
+    net = models.create_model(make_flags("tiny", False, hidden_size=6), VECTOR_SHAPE, NUM_ACTIONS)
+    assert type(net) is TinyNet and net.fc.out_features == 6
+    outputs, _ = net(make_inputs(2, 3, VECTOR_SHAPE))
+    assert outputs["policy_logits"].shape == (2, 3, NUM_ACTIONS)
+
+
 def test_small_net_is_the_minatar_papers():
     """One 3x3 conv of 16 channels without padding, then fc 128 (hidden_size): on MinAtar's
     [C, 10, 10] frames, 16 x 8 x 8 features into the fc."""

@@ -19,7 +19,7 @@ import torch
 
 import flag_helpers
 import monobeast
-from beast import envs, learner, models, rollout
+from beast import envs, loss, models, rollout
 
 EXTRA_ENV = "tests.extra_fields_env:ExtraFieldsCartPole-v0"
 
@@ -46,7 +46,7 @@ def train_recording_batches(variant, tmp_path, monkeypatch, *args):
                          learner_aux=inputs.learner_outputs["aux"].detach().clone()))
         return inputs.learner_outputs["aux"].sum() * 0.0
 
-    monkeypatch.setattr(learner, "LOSS_TERMS", learner.LOSS_TERMS + (record_batch,))
+    monkeypatch.setattr(loss, "LOSS_TERMS", loss.LOSS_TERMS + (record_batch,))
     monkeypatch.setattr(models, "create_model",
                         lambda flags, shape, num_actions: AuxMLP(shape, num_actions))
     code = variant.main(["--env", EXTRA_ENV, "--savedir", str(tmp_path), "--no_progress",

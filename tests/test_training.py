@@ -17,6 +17,7 @@ import torch
 import flag_helpers
 from beast import checkpoint as ckpt
 from beast import evaluation, learner, models, system, training
+from beast import loss as beast_loss
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -388,7 +389,7 @@ def test_epochs_make_that_many_updates_at_the_batchs_learning_rate(pg_clip):
                                     alpha=flags.alpha, eps=flags.epsilon)
     for _ in range(3):
         outputs, _ = reference(batch, ())
-        loss, last = learner.compute_loss(flags, outputs, batch)
+        loss, last = beast_loss.compute_loss(flags, outputs, batch)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), flags.grad_norm_clipping)

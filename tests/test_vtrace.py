@@ -260,21 +260,22 @@ def test_does_not_modify_inputs():
 
 @pytest.mark.parametrize("bad", range(5))
 def test_rank_errors(bad):
+    """Ranks are checked once, where from_importance_weights is entered."""
     T, B = 3, 2
     args = [torch.zeros(T, B) for _ in range(4)] + [torch.zeros(B)]
     args[bad] = args[bad].unsqueeze(-1)
     names = ["log_rhos", "discounts", "rewards", "values", "bootstrap_value"]
-    with pytest.raises(ValueError, match=f"{names[bad]} must have rank"):
+    with pytest.raises(ValueError, match=f"vtrace: {names[bad]} must have "):
         vtrace.from_importance_weights(*args)
 
 
 def test_shape_mismatch_errors():
     T, B = 3, 2
-    with pytest.raises(ValueError, match="rewards has shape"):
+    with pytest.raises(ValueError, match=r"rewards must have shape \(3, 2\)"):
         vtrace.from_importance_weights(torch.zeros(T, B), torch.zeros(T, B),
                                        torch.zeros(T + 1, B), torch.zeros(T, B),
                                        torch.zeros(B))
-    with pytest.raises(ValueError, match="bootstrap_value has shape"):
+    with pytest.raises(ValueError, match=r"bootstrap_value must have shape \(2,\)"):
         vtrace.from_importance_weights(torch.zeros(T, B), torch.zeros(T, B),
                                        torch.zeros(T, B), torch.zeros(T, B),
                                        torch.zeros(B + 1))
@@ -291,8 +292,13 @@ def test_from_logits_rank_errors():
         values=torch.zeros(T, B),
         bootstrap_value=torch.zeros(B),
     )
-    for name in ["behavior_policy_logits", "target_policy_logits", "actions"]:
+    vtrace.from_logits(**good)
+    for name in ["behavior_policy_logits", "target_policy_logits", "actions", "discounts",
+                 "bootstrap_value"]:
         args = dict(good)
         args[name] = args[name][0]
-        with pytest.raises(ValueError, match=f"{name} must have rank"):
+        with pytest.raises(ValueError, match=f"vtrace: {name} must have "):
             vtrace.from_logits(**args)
+    # Logits of other steps than the actions'.
+    with pytest.raises(ValueError, match="target_policy_logits must have shape"):
+        vtrace.from_logits(**dict(good, target_policy_logits=torch.zeros(T + 1, B, A)))
