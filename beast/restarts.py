@@ -14,8 +14,6 @@ import sys
 import threading
 import time
 
-from beast import training
-
 QUICK_EXIT_S = 5.0
 MAX_QUICK_RESTARTS = 3
 
@@ -104,8 +102,10 @@ def start_again_or_stop(policy, died, started, not_again, again):
     started again, or raises the UserError that ends the run. started: its time.monotonic() at
     the start; not_again, again: the two sentences' openings ("The actors are not started
     again", "Starting the actors again")."""
+    from beast.training import UserError  # here: env servers import this module, without torch
+
     why_not = policy.why_not(time.monotonic() - started)
     if why_not is not None:
-        raise training.UserError(f"{died} {not_again}: {why_not}.") from None
+        raise UserError(f"{died} {not_again}: {why_not}.") from None
     print(f"\nwarning: {died} {again} (restart {policy.restarts}); the rollouts in flight are "
           "dropped, the weights kept.", file=sys.stderr)

@@ -33,3 +33,22 @@ def test_no_function_is_longer_than_a_screen():
             for path in python_files() for name, line, n in function_lengths(path)
             if n > MAX_FUNCTION_LINES]
     assert not long, "split these functions:\n" + "\n".join(long)
+
+
+def calls_in(path, function):
+    """The dotted names that `function` (a top-level def of the file) calls, e.g.
+    "run.learner.update"."""
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {ast.unparse(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+def test_each_entry_script_holds_its_training_loop():
+    """A forker finds the loop in the file they run: train() enters the run's services and
+    its learn() takes batches, updates and records; the services never call the update."""
+    for script in ("monobeast.py", "polybeast.py"):
+        path = REPO / script
+        assert {"training.Setup", "training.Run"} <= calls_in(path, "train"), script
+        assert {"run.learner.update", "run.record"} <= calls_in(path, "learn"), script
+    services = (REPO / "beast" / "training.py").read_text()
+    assert "learner.update(" not in services
