@@ -316,7 +316,7 @@ def wait_for_servers(run, servers):
             print("Stopping on request before training started.", file=sys.stderr)
             return None
         return servers.addresses
-    actor_addresses = addresses.actor_addresses(flags, addresses.server_list(flags))
+    actor_addresses = layout.actor_addresses(flags, layout.server_list(flags))
     remote = sorted({a for a in actor_addresses if not addresses.is_loopback(a)})
     if remote and flags.tls_ca is None:
         print(f"warning: the env servers at {', '.join(remote)} are reached over the "

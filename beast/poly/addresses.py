@@ -1,11 +1,9 @@
 """Env server addresses: "unix:PATH" and "raw:PATH" (unix sockets, this machine only),
-"HOST:PORT" or "tcp:HOST:PORT" (TCP); and which server each actor thread streams from."""
+"HOST:PORT" or "tcp:HOST:PORT" (TCP), and where a run's own sockets go. Env servers import
+it: it imports neither torch nor anything that does."""
 
 import os
 import tempfile
-
-from beast import distributed
-
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 
@@ -85,21 +83,6 @@ def parse_address_list(text):
     if not addresses:
         raise ValueError(f"no address in {text!r}: give unix:PATH or HOST:PORT, comma-separated")
     return addresses
-
-
-def server_list(flags):
-    """The env servers' addresses: this learner rank's share of --server_addresses (all of
-    them with one learner), or <pipes_basename>.i for each actor."""
-    if flags.server_addresses is not None:
-        rank, world_size = distributed.env_rank()
-        return distributed.shard(parse_address_list(flags.server_addresses),
-                                 rank, world_size)
-    return [f"{flags.pipes_basename}.{i}" for i in range(flags.num_actors)]
-
-
-def actor_addresses(flags, servers):
-    """The env server address of each actor thread: actor i streams from server i mod n."""
-    return [servers[i % len(servers)] for i in range(flags.num_actors)]
 
 
 def rank_basename(pipes_basename, rank, world_size):

@@ -77,6 +77,21 @@ def add_server_flags(groups):
              "batch's).")
 
 
+def server_list(flags):
+    """The env servers' addresses: this learner rank's share of --server_addresses (all of
+    them with one learner), or <pipes_basename>.i for each actor."""
+    if flags.server_addresses is not None:
+        rank, world_size = distributed.env_rank()
+        return distributed.shard(addresses.parse_address_list(flags.server_addresses),
+                                 rank, world_size)
+    return [f"{flags.pipes_basename}.{i}" for i in range(flags.num_actors)]
+
+
+def actor_addresses(flags, servers):
+    """The env server address of each actor thread: actor i streams from server i mod n."""
+    return [servers[i % len(servers)] for i in range(flags.num_actors)]
+
+
 def default_layout(flags, kind):
     """Fills --num_actors and --envs_per_stream where not given (a resume keeps its own).
 
@@ -107,7 +122,7 @@ def _address_count(flags):
     if flags.server_addresses is None:
         return None
     try:
-        return len(addresses.server_list(flags))
+        return len(server_list(flags))
     except ValueError:
         return None
 
@@ -118,7 +133,7 @@ def check_servers(flags):
     if flags.server_addresses is not None:
         flags.no_start_servers = True
         try:
-            servers = addresses.server_list(flags)
+            servers = server_list(flags)
         except ValueError as e:
             return [f"--server_addresses: {e}"]
         if not servers:
