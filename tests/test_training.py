@@ -1,4 +1,4 @@
-"""The run skeleton's own pieces (beast/training.py), in-process."""
+"""The services of a training run (beast/training.py), in-process."""
 
 import argparse
 import copy
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flag_helpers
+import monobeast
 from beast import checkpoint as ckpt
 from beast import evaluation, learner, models, system, training
 from beast import loss as beast_loss
@@ -86,9 +87,9 @@ def test_rows_say_how_long_the_learner_waited_for_batches(monkeypatch):
 
     run = types.SimpleNamespace(flags=flags, stats=stats, step=100,
                                 learner=types.SimpleNamespace(update=update))
-    run.after_update = lambda step, step_stats, batch: stats.record(step, step_stats, no_games)
+    run.record = lambda step, step_stats, batch: stats.record(step, step_stats, no_games)
     run.done = lambda: run.step >= flags.total_steps
-    training.Run.learner_thread(run, batches([3.0, 3.0, 0.0, 1.0, 5.0]))
+    monobeast.learn(run, batches([3.0, 3.0, 0.0, 1.0, 5.0]))
     assert run.step == 300  # stopped at total_steps, the last batch left untaken
     assert [step for step, _ in logger.rows] == [100, 200, 300]
     # 3 + 3 s of waiting in 8 s; then 0 + 1 in 3 s.
@@ -112,14 +113,13 @@ def test_policy_lag_counts_updates_between_acting_and_learning():
 
 
 def test_the_acting_model_learns_the_step_of_its_weights():
-    """Learner.update publishes the weights and then their step; a model that no learner
-    writes to reads as step 0."""
+    """Learner.update publishes the weights and then their step (Learner.weights_step, in
+    shared memory for the actors); before any update the step is 0."""
     flags = flag_helpers.make_flags(unroll_length=2, batch_size=1, total_steps=100,
                                     **TINY_LEARNER_FLAGS)
     model, acting = (models.create_model(flags, (4,), 2) for _ in range(2))
-    assert training.weights_step(acting) == 0
     learner_ = learner.Learner(flags, model, acting)
-    assert training.weights_step(acting) == 0
+    assert int(learner_.weights_step) == 0 and learner_.weights_step.is_shared()
     T, B = 2, 1
     batch = dict(frame=torch.zeros(T + 1, B, 4), reward=torch.zeros(T + 1, B),
                  done=torch.zeros(T + 1, B, dtype=torch.bool),
@@ -130,7 +130,7 @@ def test_the_acting_model_learns_the_step_of_its_weights():
                  policy_step=torch.zeros(T + 1, B, dtype=torch.int64))
     for update in range(3):
         step, stats = learner_.update(batch, model.initial_state(B))
-        assert step == training.weights_step(acting) == 2 * (update + 1)
+        assert step == int(learner_.weights_step) == 2 * (update + 1)
         assert stats["policy_lag"] == update  # every batch acted with the first weights
     for name, value in model.state_dict().items():
         assert torch.equal(acting.state_dict()[name], value), name
