@@ -12,8 +12,7 @@ ended it. Two backends, chosen with --env_backend:
     the other in this process. An environment that raises is closed, replaced by a fresh one
     (whose first step reads done=True), and counted; the others go on.
   * envpool: one EnvPool of N Atari environments, stepped by EnvPool's C++ threads without the
-    GIL. EnvPool resets a finished environment on the *next* step; we step those environments
-    once more at once so that the caller sees our convention.
+    GIL (beast/envpool_backend.py EnvPoolVectorEnv).
 
 MonoBeast's actors (monobeast.Sampler) and PolyBeast's env servers (polybeast_env) both build their
 environments here, so a backend added here serves both variants.
@@ -24,8 +23,9 @@ import traceback
 
 import numpy as np
 
+from beast import envpool_backend
 from beast import envs
-from beast import rollout
+
 
 def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     """N environments as one VectorEnv.
@@ -41,12 +41,10 @@ def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
     """
     if num_envs < 1:
         raise ValueError(f"a vector env needs at least one environment (got {num_envs})")
-    backend = flags.env_backend
-    if backend == "envpool":
-        return EnvPoolVectorEnv(flags, num_envs, seed)
-    if backend == "gymnasium":
-        return GymnasiumVectorEnv(flags, num_envs, seed, on_error, name)
-    raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
+    envs.check_backend(flags)
+    if flags.env_backend == "envpool":
+        return envpool_backend.EnvPoolVectorEnv(flags, num_envs, seed)
+    return GymnasiumVectorEnv(flags, num_envs, seed, on_error, name)
 
 
 def nonfinite_problem(outputs, env_id):
@@ -76,10 +74,6 @@ def env_seed(seed, j, restart=0):
     return int(np.random.SeedSequence([seed, j, restart]).generate_state(1)[0] % 2**31)
 
 
-def _empty_outputs(num_envs, fields):
-    return {f.name: np.zeros((num_envs,) + f.shape, dtype=f.dtype) for f in fields}
-
-
 class GymnasiumVectorEnv:
     """N RolloutAdapters stepped in turn. The returned arrays are reused by the next call:
     copy what you keep."""
@@ -95,7 +89,8 @@ class GymnasiumVectorEnv:
         self.fields = self.envs[0].fields
         box = self.envs[0].box
         self.actions_shape = (num_envs,) if box is None else (num_envs, box.size)
-        self.outputs = _empty_outputs(num_envs, self.fields)
+        self.outputs = {f.name: np.zeros((num_envs,) + f.shape, dtype=f.dtype)
+                        for f in self.fields}
 
     def _make_env(self, j, restart):
         return envs.RolloutAdapter(envs.create_env(self.flags),
@@ -139,77 +134,3 @@ class GymnasiumVectorEnv:
     def close(self):
         for env in self.envs:
             env.close()
-
-
-class EnvPoolVectorEnv:
-    """One EnvPool (synchronous: every step() steps all N environments) in our convention.
-
-    The returned arrays are reused by the next call: copy what you keep.
-    """
-
-    restarts = 0  # EnvPool's environments are never restarted from here
-
-    def __init__(self, flags, num_envs, seed):
-        self.num_envs = num_envs
-        self.pool = envs.create_envpool(flags, num_envs, seed=seed)
-        self.env_ids = np.arange(num_envs, dtype=np.int32)
-        space = self.pool.observation_space
-        self.fields = rollout.core_env_fields(space.shape, space.dtype)
-        self.outputs = _empty_outputs(num_envs, self.fields)
-        self._return = np.zeros(num_envs, dtype=np.float64)
-        self._length = np.zeros(num_envs, dtype=np.int64)
-        self._cut = np.zeros(num_envs, dtype=bool)  # the last step hit a time limit
-
-    def initial(self):
-        frame, info = self.pool.reset()
-        out = self.outputs
-        for key, array in out.items():
-            if key != "frame":
-                array[:] = 0
-        out["frame"][info["env_id"]] = frame
-        out["done"][:] = True
-        self._return[:] = 0
-        self._length[:] = 0
-        self._cut = np.zeros(self.num_envs, dtype=bool)
-        return out
-
-    def step(self, actions):
-        actions = np.asarray(actions)
-        if actions.shape != (self.num_envs,):
-            raise ValueError(f"expected {self.num_envs} actions, got an array of shape "
-                             f"{actions.shape}")
-        # Environments whose last step was cut by a time limit: EnvPool resets them now and
-        # ignores their action, which is our convention for the step after a truncation.
-        resetting, self._cut = self._cut, np.zeros(self.num_envs, dtype=bool)
-        frame, reward, terminated, truncated, info = self.pool.step(
-            actions.astype(np.int32), self.env_ids)
-        ids = info["env_id"]  # rows come back in EnvPool's order
-        out = self.outputs
-        out["frame"][ids] = frame
-        out["reward"][ids] = reward
-        done = np.zeros(self.num_envs, dtype=bool)
-        done[ids] = terminated
-        self._cut[ids] = truncated & ~terminated
-        game_over = np.zeros(self.num_envs, dtype=bool)
-        # With episodic_life, terminated marks a lost life; info["terminated"] the game's end.
-        game_over[ids] = info["terminated"].astype(bool) | truncated
-        out["done"][:] = done | resetting
-        out["truncated"][:] = self._cut
-        out["game_over"][:] = game_over
-        out["last_action"][:] = np.where(resetting, 0, actions)
-        self._return[ids] += reward
-        self._length[ids] += ~resetting[ids]
-        out["episode_return"][:] = self._return
-        out["episode_step"][:] = self._length
-        self._return[game_over] = 0
-        self._length[game_over] = 0
-        if done.any():
-            # EnvPool would reset these on the next step and ignore its action; do that step
-            # now, so the caller gets the next episode's first frame with this step's done.
-            ended = np.flatnonzero(done).astype(np.int32)
-            frame, _, _, _, info = self.pool.step(np.zeros(len(ended), np.int32), ended)
-            out["frame"][info["env_id"]] = frame
-        return out
-
-    def close(self):
-        self.pool.close()

@@ -9,6 +9,8 @@ Modules:
   ceilings.py     environment stepping, learner step and inference alone
   endtoend.py     `python -m monobeast|polybeast` in a subprocess, SPS from logs.csv
   nullprofile.py  where the time of a null-environment step goes (in-process, py-spy)
+  null_env.py     the null environment (--env bench.null_env:Null-v0), no work per step
+  resize.py       python -m bench.resize: the Atari screen's resize and preprocessing
 
 bench/README.md says what each number means.
 """

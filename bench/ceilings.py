@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import monobeast
+from beast import envpool_backend
 from beast import envs
 from beast import flags as beast_flags
 from beast import learner
@@ -240,7 +241,8 @@ def _measure_env(env_id, seconds, chunks, check_every=8):
 def _measure_envpool(env_id, num_envs, batch_size, num_threads, seconds, chunks):
     flags = beast_flags.common_parser().parse_args(
         ["--env", env_id, "--no-episodic_life", "--env_backend", "envpool"])
-    pool = envs.create_envpool(flags, num_envs, batch_size=batch_size, num_threads=num_threads)
+    pool = envpool_backend.create_envpool(flags, num_envs, batch_size=batch_size,
+                                          num_threads=num_threads)
     rng = np.random.default_rng(0)
     num_actions = int(pool.action_space.n)
     try:

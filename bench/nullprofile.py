@@ -32,6 +32,7 @@ from beast import rollout
 from beast import training
 
 from bench import ceilings
+from bench import null_env
 
 
 class Accumulators:
@@ -73,7 +74,7 @@ def _patched(module, name, value):
 
 
 def null_flags(argv):
-    flags = training.parse_flags(monobeast.make_parser(), ["--env", "Null-v0", *argv])
+    flags = training.parse_flags(monobeast.make_parser(), ["--env", null_env.ENV_ID, *argv])
     info = envs.env_info(flags)
     beast_flags.apply_env_defaults(flags, info)
     problems = monobeast.check_flags(flags, info)

@@ -35,10 +35,11 @@ from beast import machine  # noqa: E402
 
 from bench import ceilings  # noqa: E402
 from bench import endtoend  # noqa: E402
+from bench import null_env  # noqa: E402
 from bench import nullprofile  # noqa: E402
 
 SECTIONS = ("env", "learner", "inference", "bound", "e2e", "profile")
-ENV_IDS = ("ALE/Pong-v5", "CartPole-v1", "Null-v0")
+ENV_IDS = ("ALE/Pong-v5", "CartPole-v1", null_env.ENV_ID)
 NULL_MODEL_ARGS = ["--model", "mlp", "--hidden_size", "8"]
 
 
@@ -98,12 +99,12 @@ def _other_workloads():
           ["--model", "small"]),
         # One environment per actor / stream, as TorchBeast does, beside the defaults: what
         # stepping several environments per forward pass saves in overhead per step.
-        W("mono-null-1env", "monobeast", "Null-v0", "MLP 8, one env per actor",
+        W("mono-null-1env", "monobeast", null_env.ENV_ID, "MLP 8, one env per actor",
           ["--num_actors", "4", "--envs_per_actor", "1", *NULL_MODEL_ARGS]),
-        W("mono-null", "monobeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
-        W("poly-null-1env", "polybeast", "Null-v0", "MLP 8, one env per stream",
+        W("mono-null", "monobeast", null_env.ENV_ID, "MLP 8", NULL_MODEL_ARGS),
+        W("poly-null-1env", "polybeast", null_env.ENV_ID, "MLP 8, one env per stream",
           ["--num_actors", "4", "--envs_per_stream", "1", *NULL_MODEL_ARGS]),
-        W("poly-null", "polybeast", "Null-v0", "MLP 8", NULL_MODEL_ARGS),
+        W("poly-null", "polybeast", null_env.ENV_ID, "MLP 8", NULL_MODEL_ARGS),
     ]
 
 
@@ -489,7 +490,7 @@ def section_profile_polybeast(report, args, workdir, resolved, bounds):
         table(["process / thread", "busy threads (avg)", "share of samples"], role_rows)
         + "\n\n" + table(["innermost Python frame", "share of samples"], leaf_rows),
         f"`py-spy record --format raw --subprocesses --nonblocking --rate {rate}` for "
-        f"{seconds} s on `python -m polybeast --env Null-v0 {' '.join(poly.args)}` (a separate "
+        f"{seconds} s on `python -m polybeast --env {poly.env} {' '.join(poly.args)}` (a separate "
         f"run; {total} samples of busy threads). busy threads = samples / (seconds x rate). "
         "Python frames only: libpolybeast's C++ actor threads and gRPC are visible only "
         "through Python calls that wait on them.")

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from beast import runlog
-from bench import launch, learn
+from bench import launch, learn, null_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The brief's tiny runs: a second or two of training each.
 TINY = ["--num_actors", "1", "--unroll_length", "20", "--batch_size", "4",
         "--log_interval_steps", "500"]
+NULL = null_env.ENV_ID  # a second environment, one that costs nothing to step
 
 
 def table_rows(report, env):
@@ -46,9 +47,9 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     a second launch skips them all; the report has a row per variant with both seeds and a
     PNG per env. Null-v0 gets per-env flags (shorter episodes finish within 2000 steps)."""
     savedir, output = tmp_path / "runs", tmp_path / "report.md"
-    argv = ["--envs", "CartPole-v1,Null-v0", "--variants", "monobeast", "--seeds", "0,1",
+    argv = ["--envs", f"CartPole-v1,{NULL}", "--variants", "monobeast", "--seeds", "0,1",
             "--total_steps", "2000", "--savedir", str(savedir), "--output", str(output),
-            "--parallel", "2", "--env_args", "Null-v0=--envs_per_actor 2",
+            "--parallel", "2", "--env_args", f"{NULL}=--envs_per_actor 2",
             "--test_episodes", "2", "--", *TINY]
     first = subprocess.run([sys.executable, "-m", "bench.learn", *argv], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
@@ -58,10 +59,10 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     # Each run's checkpoint is played twice: sampled actions, then greedy ones.
     assert len(re.findall(r"\] test \d/8 ", first.stderr)) == 8, first.stderr
     for xpid in ("CartPole-v1-monobeast-s0", "CartPole-v1-monobeast-s1",
-                 "Null-v0-monobeast-s0", "Null-v0-monobeast-s1"):
+                 f"{NULL}-monobeast-s0", f"{NULL}-monobeast-s1"):
         for name in ("logs.csv", "stdout.txt", "stderr.txt", "launch.json", "model.tar"):
             assert (savedir / xpid / name).is_file(), f"{xpid}/{name}"
-    assert "--envs_per_actor 2" in (savedir / "Null-v0-monobeast-s0" / "stderr.txt").read_text()
+    assert "--envs_per_actor 2" in (savedir / f"{NULL}-monobeast-s0" / "stderr.txt").read_text()
 
     assert learn.main(argv) == 0  # again, in this process: nothing left to run or test
     err = capsys.readouterr().err
@@ -70,7 +71,7 @@ def test_grid_runs_then_skips_and_reports(tmp_path, capsys):
     assert banners == 1, "a finished run was launched again"
 
     report = output.read_text()
-    for env in ("CartPole-v1", "Null-v0"):
+    for env in ("CartPole-v1", NULL):
         (row,) = table_rows(report, env)
         assert cell(row, "variant") == "monobeast"
         assert cell(row, "seeds finished") == "2/2"

@@ -6,7 +6,7 @@ import argparse
 import numpy as np
 import pytest
 
-from beast import envs, rollout, vector_envs
+from beast import envpool_backend, envs, rollout, vector_envs
 
 
 def make_flags(env, **overrides):
@@ -91,7 +91,8 @@ def test_envpool_backend_follows_our_episode_convention():
     pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
     flags = make_flags("ALE/Breakout-v5", env_backend="envpool", episodic_life=True)
     vector = vector_envs.create_vector_env(flags, 2, seed=7)
-    single = envs.RolloutAdapter(envs.EnvPoolSingle(envs.create_envpool(flags, 1, seed=7)))
+    single = envs.RolloutAdapter(
+        envpool_backend.EnvPoolSingle(envpool_backend.create_envpool(flags, 1, seed=7)))
     try:
         out = vector.initial()
         assert out["frame"].shape == (2, 4, 84, 84) and out["frame"].dtype == np.uint8

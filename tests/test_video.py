@@ -12,6 +12,7 @@ import pytest
 
 import monobeast
 from beast import envs, training, video
+from bench import null_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,13 +143,13 @@ def test_train_and_test_videos_for_both_variants(tmp_path):
 
 @pytest.mark.slow
 def test_an_environment_without_rgb_frames_is_refused_before_training(tmp_path):
-    result = run("monobeast", tmp_path, "--env", "Null-v0", "--xpid", "null",
+    result = run("monobeast", tmp_path, "--env", null_env.ENV_ID, "--xpid", "null",
                  "--eval_video_interval_steps", 1000, check=False)
     assert result.returncode == 2
     assert "--eval_video_interval_steps needs the environment's RGB frames" in result.stderr
     assert "Null-v0 cannot render them" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "null").exists()
-    test_flags = make_flags("--env", "Null-v0", "--mode", "test", "--record_video")
+    test_flags = make_flags("--env", null_env.ENV_ID, "--mode", "test", "--record_video")
     [problem] = video.render_problems(test_flags)
     assert problem.startswith("--record_video needs") and "Null-v0" in problem
 
