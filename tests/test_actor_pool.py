@@ -275,6 +275,18 @@ def by_instance(rollouts):
     return groups
 
 
+def expected_episode_return(total):
+    """The episode_return CountingEnv reports after `total` steps of its lifetime under
+    `policy`: the rewards (reward[s+1] = action[s]) of the episode that step `total` belongs
+    to, the one it ends included; 0 at creation."""
+    if total == 0:
+        return 0.0
+    start = (total - 1) // EPISODE_LENGTH * EPISODE_LENGTH
+    steps = np.arange(start, total)
+    frames = np.stack([0 * steps, 0 * steps, steps, steps % EPISODE_LENGTH], axis=-1)
+    return float(policy(frames).sum())
+
+
 def check_rollout(rollout, state):
     """Everything that must hold within one rollout."""
     T = UNROLL_LENGTH
@@ -298,10 +310,11 @@ def check_rollout(rollout, state):
     assert state.shape == (1, 1, 1)
     assert rollout["state_seen"][0].ravel()[0] == state.ravel()[0] == total[0]
     assert rollout["state_seen"][:, 0, 0].tolist() == list(range(total[0], total[0] + T + 1))
-    # Episode return at the end of an episode: the sum of that episode's rewards.
+    # The episode's return so far at every step; at an episode's end, the whole episode's.
+    np.testing.assert_array_equal(rollout["episode_return"][:, 0],
+                                  [expected_episode_return(u) for u in total])
     for t in np.flatnonzero(rollout["game_over"][:, 0]):
         assert rollout["episode_step"][t, 0] == EPISODE_LENGTH
-        assert rollout["episode_return"][t, 0] > -1
 
 
 def check_overlap(previous, following):
