@@ -437,6 +437,19 @@ def test_actor_pool_sends_float_actions_and_tracks_last_action(tmp_path, envs_pe
 # Both variants end to end, and learning.
 
 
+def pendulum_episode_bounds():
+    """(steps of an episode, lowest return of an episode) of Pendulum-v1: its time limit, and
+    that many steps of the largest cost, angle^2 + 0.1 speed^2 + 0.001 torque^2 at angle pi and
+    the largest speed and torque."""
+    env = envs.create_env(pendulum_flags())
+    try:
+        pendulum = env.unwrapped
+        worst = math.pi ** 2 + 0.1 * pendulum.max_speed ** 2 + 0.001 * pendulum.max_torque ** 2
+        return env.spec.max_episode_steps, -worst * env.spec.max_episode_steps
+    finally:
+        env.close()
+
+
 def run_variant(tmp_path, variant, *args, xpid="run", timeout=300):
     cmd = [sys.executable, "-m", variant, "--env", "Pendulum-v1", "--savedir", str(tmp_path),
            "--xpid", xpid, "--no_progress", *map(str, args)]
@@ -466,10 +479,17 @@ def test_trains_and_tests_on_pendulum(tmp_path, variant, args):
                 "--eval_interval_steps", 1000, "--eval_episodes", 1, *args)
     rows = read_logs(tmp_path / "run")
     assert int(rows[-1]["step"]) >= 2000
-    returns = [float(r["mean_episode_return"]) for r in rows if r.get("mean_episode_return")]
-    assert any(math.isfinite(x) and x < 0 for x in returns)  # Pendulum's rewards are <= 0
+    episode_steps, lowest = pendulum_episode_bounds()
+    finished = [r for r in rows if r.get("episodes") and int(r["episodes"]) > 0]
+    assert finished, f"no episode of {episode_steps} steps ended in 2000 steps"
+    for row in finished:
+        # Every episode ends at the time limit, and its return is one episode's.
+        assert float(row["mean_episode_length"]) == episode_steps, row
+        assert lowest <= float(row["mean_episode_return"]) < 0, row
     assert all(math.isfinite(float(r["total_loss"])) for r in rows if r.get("total_loss"))
-    assert any(r.get("eval_mean_episode_return") for r in rows)
+    evals = [float(r["eval_mean_episode_return"]) for r in rows
+             if r.get("eval_mean_episode_return")]
+    assert evals and all(lowest <= x < 0 for x in evals), evals
     test = run_variant(tmp_path, variant, "--mode", "test", "--test_episodes", 1)
     assert "mean return" in test.stdout
 

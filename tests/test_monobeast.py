@@ -146,8 +146,7 @@ def test_lstm_state_before_step_zero_is_stored():
 
 @pytest.mark.slow
 def test_pong_smoke_logs_episode_returns(tmp_path):
-    """A short Pong run: trains, finishes games (real returns in [-21, 21]),
-    writes logs.csv and a checkpoint."""
+    """A short Pong run: trains, finishes whole games, writes logs.csv and a checkpoint."""
     # One environment, so that a whole game (about 800 steps) fits in the run.
     run_monobeast(tmp_path, "--env", "ALE/Pong-v5", "--xpid", "pong", "--num_actors", 1,
                   "--envs_per_actor", 1, "--batch_size", 2, "--unroll_length", 40,
@@ -156,8 +155,20 @@ def test_pong_smoke_logs_episode_returns(tmp_path):
     assert int(rows[-1]["step"]) >= 2400
     finished = [r for r in rows if float(r["episodes"]) > 0]
     assert finished, "no Pong game finished in 2400 steps"
-    mean_return = float(finished[-1]["mean_episode_return"])
-    assert -21 <= mean_return <= 21 and mean_return != 0
+    # 2400 steps are too few to learn: these are an untrained agent's games. What they show
+    # is whole games. A game ends when a side has 21 points, a point is +-1, so a game's return
+    # is an integer and its length that of 21 points or more; an untrained agent loses nearly
+    # every point. 8 random games (create_env("ALE/Pong-v5"), seeds 0-7, uniform actions)
+    # scored -21 or -20 in 784-1121 steps; a single point takes about 40.
+    last = finished[-1]
+    episodes = int(last["episodes"])  # fewer than the 100 the means are taken over
+    mean_return = float(last["mean_episode_return"])
+    mean_length = float(last["mean_episode_length"])
+    assert abs(mean_return * episodes - round(mean_return * episodes)) < 1e-6, last
+    assert -21 <= mean_return <= -15, last
+    assert mean_length >= 500, last
+    # One environment: its finished games are made of the steps the learner took.
+    assert mean_length * episodes <= int(last["step"]), last
     assert os.path.exists(tmp_path / "pong" / "model.tar")
     for name in ("flags.json", "meta.json"):
         assert os.path.exists(tmp_path / "pong" / name)

@@ -9,6 +9,7 @@ stopped when the job ends.
 """
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -105,7 +106,17 @@ def test_slurm_script_runs_servers_and_two_learner_ranks(tmp_path, tls):
     assert meta["world_size"] == 2
     rows = runlog.read_logs(tmp_path / "logs" / "run" / "logs.csv")
     assert int(rows[-1]["step"]) >= 20000
-    assert float(rows[-1]["mean_episode_return"]) > 0
+    # 20,000 steps, over which the learning rate decays to 0, leave the policy about as good
+    # as a random one (mean returns of 18-21 where a random policy's is about 22), so no
+    # learning is asserted. What the run shows: one row per log interval, from rank 0 alone,
+    # and games whose return equals their length, as CartPole pays 1 a step.
+    flags = json.loads((tmp_path / "logs" / "run" / "flags.json").read_text())
+    steps = [int(row["step"]) for row in rows]
+    assert steps == sorted(set(steps)), steps
+    assert len(rows) == math.ceil(flags["total_steps"] / flags["log_interval_steps"]), steps
+    for row in rows:
+        assert row["episodes"] > 0, row
+        assert row["mean_episode_return"] == row["mean_episode_length"], row
     if tls:
         assert sorted(os.listdir(tmp_path / "tls" / "job")) == [
             "ca.key", "ca.pem", "learner.key", "learner.pem", "server.key", "server.pem"]
