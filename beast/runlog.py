@@ -19,7 +19,8 @@ Layout of a run directory (``savedir/xpid/``)::
                     of interleaving its logs and checkpoints with the first one's
 
 With --wandb_project, StatsLogger sends W&B what it writes to logs.csv (and the videos);
-W&B is imported only then.
+W&B is imported only then. TrainingStats gathers a run's returns and losses into those rows;
+RankLogger is what a learner rank other than 0 logs instead.
 """
 
 import collections
@@ -746,3 +747,109 @@ class StatusLine:
         if self.is_tty and self._text:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class TrainingStats:
+    """Returns of the games that end in the training batches, the latest losses, and the
+    rows of logs.csv (every --log_interval_steps); one lock, which also guards the logger."""
+
+    def __init__(self, flags, logger, start_step, episode_state=None):
+        self.flags = flags
+        self.logger = logger
+        self.lock = threading.Lock()
+        self.episodes = EpisodeStats(window=100)
+        if episode_state:
+            self.episodes.load_state_dict(episode_state)
+        self.latest = {}
+        # The largest gradient norm since the last row: a row shows one update of the many
+        # between rows, and an outlier that wrecks the policy is rarely the one shown.
+        self.grad_norm_max = None
+        self.env_errors = None  # the actors' environment restarts, when the variant counts them
+        self.start_step, self.start_time = start_step, time.time()
+        self.next_log_step = start_step + flags.log_interval_steps
+        # learner_wait: the learner threads' seconds spent waiting for a batch since the last
+        # row, against their seconds in all (threads x wall time since then).
+        self.learner_threads, self.wait_s, self.window_start = 0, 0.0, None
+
+    def timed(self, batches):
+        """The batches of one learner thread, with its waits for them counted (learner_wait).
+        The next batch is taken only when the loop asks for it."""
+        self.learner_started()
+        batches = iter(batches)
+        while True:
+            start = time.monotonic()
+            pair = next(batches, None)
+            if pair is None:
+                return
+            self.waited(time.monotonic() - start)
+            yield pair
+
+    def learner_started(self):
+        """A learner thread that pulls batches from the actors starts (learner_wait)."""
+        with self.lock:
+            self.learner_threads += 1
+            if self.window_start is None:
+                self.window_start = time.monotonic()
+
+    def waited(self, seconds):
+        """A learner thread waited `seconds` for its next batch."""
+        with self.lock:
+            self.wait_s += seconds
+
+    def _learner_wait(self):
+        """The share of the learner threads' time since the last row spent waiting for
+        batches; None when no thread pulls batches (serial and --deterministic runs)."""
+        if not self.learner_threads:
+            return None
+        now = time.monotonic()
+        share = self.wait_s / max(1e-9, self.learner_threads * (now - self.window_start))
+        self.wait_s, self.window_start = 0.0, now
+        return min(1.0, share)
+
+    def record(self, step, stats, returns=(), lengths=()):
+        """Adds one learner step's stats and the returns and lengths of the games that ended in
+        its batch (learner.episode_stats); writes a row when one is due."""
+        with self.lock:
+            self.episodes.add(returns, lengths)
+            stats["mean_episode_return"] = self.episodes.mean_return()
+            stats["mean_episode_length"] = self.episodes.mean_length()
+            stats["episodes"] = self.episodes.count
+            stats["sps"] = (step - self.start_step) / max(1e-9, time.time() - self.start_time)
+            if self.env_errors is not None:
+                stats["env_errors"] = self.env_errors
+            if math.isfinite(stats.get("grad_norm", math.nan)):
+                self.grad_norm_max = max(self.grad_norm_max or 0.0, stats["grad_norm"])
+            self.latest = stats
+            if step >= self.next_log_step or step >= self.flags.total_steps:
+                if self.grad_norm_max is not None:
+                    stats["grad_norm_max"] = self.grad_norm_max
+                    self.grad_norm_max = None
+                learner_wait = self._learner_wait()
+                if learner_wait is not None:
+                    stats["learner_wait"] = learner_wait
+                self.logger.log(step, stats)
+                while self.next_log_step <= step:
+                    self.next_log_step += self.flags.log_interval_steps
+
+    def log(self, step, stats, videos=None):
+        """Writes a row of other stats (evaluation results), with videos {name: MP4 path}."""
+        with self.lock:
+            if videos:
+                self.logger.log(step, stats, videos=videos)
+            else:
+                self.logger.log(step, stats)
+
+
+class RankLogger:
+    """The logger of a learner rank other than 0: its own throughput and returns, on
+    stderr; rank 0 writes the run's logs."""
+
+    def __init__(self, ranks):
+        self.ranks = ranks
+
+    def log(self, step, stats):
+        if "sps" not in stats:
+            return
+        print(f"{self.ranks.name(self.ranks.rank)}: step {step}, "
+              f"{stats['sps'] / self.ranks.world_size:.0f} SPS on this rank, mean episode "
+              f"return {stats.get('mean_episode_return', float('nan')):.2f}", file=sys.stderr)

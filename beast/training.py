@@ -18,7 +18,6 @@ The operating system's part (signals, thread names, malloc) is in beast/system.p
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import threading
@@ -215,97 +214,6 @@ def build_acting_model(flags, env, device="cpu"):
                                       flags.acting_precision)
 
 
-class TrainingStats:
-    """Returns of the games that end in the training batches, the latest losses, and the
-    rows of logs.csv (every --log_interval_steps); one lock, which also guards the logger."""
-
-    def __init__(self, flags, logger, start_step, episode_state=None):
-        self.flags = flags
-        self.logger = logger
-        self.lock = threading.Lock()
-        self.episodes = runlog.EpisodeStats(window=100)
-        if episode_state:
-            self.episodes.load_state_dict(episode_state)
-        self.latest = {}
-        # The largest gradient norm since the last row: a row shows one update of the many
-        # between rows, and an outlier that wrecks the policy is rarely the one shown.
-        self.grad_norm_max = None
-        self.env_errors = None  # the actors' environment restarts, when the variant counts them
-        self.start_step, self.start_time = start_step, time.time()
-        self.next_log_step = start_step + flags.log_interval_steps
-        # learner_wait: the learner threads' seconds spent waiting for a batch since the last
-        # row, against their seconds in all (threads x wall time since then).
-        self.learner_threads, self.wait_s, self.window_start = 0, 0.0, None
-
-    def timed(self, batches):
-        """The batches of one learner thread, with its waits for them counted (learner_wait).
-        The next batch is taken only when the loop asks for it."""
-        self.learner_started()
-        batches = iter(batches)
-        while True:
-            start = time.monotonic()
-            pair = next(batches, None)
-            if pair is None:
-                return
-            self.waited(time.monotonic() - start)
-            yield pair
-
-    def learner_started(self):
-        """A learner thread that pulls batches from the actors starts (learner_wait)."""
-        with self.lock:
-            self.learner_threads += 1
-            if self.window_start is None:
-                self.window_start = time.monotonic()
-
-    def waited(self, seconds):
-        """A learner thread waited `seconds` for its next batch."""
-        with self.lock:
-            self.wait_s += seconds
-
-    def _learner_wait(self):
-        """The share of the learner threads' time since the last row spent waiting for
-        batches; None when no thread pulls batches (serial and --deterministic runs)."""
-        if not self.learner_threads:
-            return None
-        now = time.monotonic()
-        share = self.wait_s / max(1e-9, self.learner_threads * (now - self.window_start))
-        self.wait_s, self.window_start = 0.0, now
-        return min(1.0, share)
-
-    def record(self, step, stats, batch):
-        """Adds one learner step's stats and finished games; writes a row when one is due."""
-        returns, lengths = learner.episode_stats(batch)
-        with self.lock:
-            self.episodes.add(returns, lengths)
-            stats["mean_episode_return"] = self.episodes.mean_return()
-            stats["mean_episode_length"] = self.episodes.mean_length()
-            stats["episodes"] = self.episodes.count
-            stats["sps"] = (step - self.start_step) / max(1e-9, time.time() - self.start_time)
-            if self.env_errors is not None:
-                stats["env_errors"] = self.env_errors
-            if math.isfinite(stats.get("grad_norm", math.nan)):
-                self.grad_norm_max = max(self.grad_norm_max or 0.0, stats["grad_norm"])
-            self.latest = stats
-            if step >= self.next_log_step or step >= self.flags.total_steps:
-                if self.grad_norm_max is not None:
-                    stats["grad_norm_max"] = self.grad_norm_max
-                    self.grad_norm_max = None
-                learner_wait = self._learner_wait()
-                if learner_wait is not None:
-                    stats["learner_wait"] = learner_wait
-                self.logger.log(step, stats)
-                while self.next_log_step <= step:
-                    self.next_log_step += self.flags.log_interval_steps
-
-    def log(self, step, stats, videos=None):
-        """Writes a row of other stats (evaluation results), with videos {name: MP4 path}."""
-        with self.lock:
-            if videos:
-                self.logger.log(step, stats, videos=videos)
-            else:
-                self.logger.log(step, stats)
-
-
 class ThreadErrors:
     """The errors of a run's threads, kept for the main thread to raise (Run.supervise)."""
 
@@ -420,7 +328,7 @@ class Run:
         if setup.checkpoint is not None and self.ranks.is_main:
             print(f"Resuming {self.run_dir.path} from step {self.learner.step}.",
                   file=sys.stderr)
-        self.stats = TrainingStats(flags, logger, self.learner.step,
+        self.stats = runlog.TrainingStats(flags, logger, self.learner.step,
                                    setup.checkpoint.get("episodes") if setup.checkpoint else None)
         # Rank 0 alone evaluates, shows the status line and writes checkpoints.
         self.evaluator = evaluation.Evaluator(
@@ -463,7 +371,7 @@ class Run:
         stats is None when no update was made (total_steps reached)."""
         if stats is None:
             return
-        self.stats.record(step, stats, batch)
+        self.stats.record(step, stats, *learner.episode_stats(batch))
         if self.learner.skipped_in_a_row >= self.flags.max_nonfinite_updates:
             self.stats.log(step, stats)  # the row that shows why the run stops
             raise UserError(
@@ -588,7 +496,7 @@ def open_logs(setup):
     on stderr now and then on the other ranks."""
     flags, ranks, run_dir = setup.flags, setup.ranks, setup.run_dir
     if not ranks.is_main:
-        return contextlib.nullcontext(RankLogger(ranks))
+        return contextlib.nullcontext(runlog.RankLogger(ranks))
     runlog.write_metadata(run_dir, flags, dict(
         world_size=ranks.world_size, rank_hosts=list(ranks.hosts),
         machine=machine.describe(setup.device), precisions=setup.precisions))
@@ -608,21 +516,6 @@ def report_end(run):
     where = f"Run saved in {run.run_dir.path}" if ranks.is_main else ranks.name(ranks.rank)
     print(f"Trained to step {run.learner.step}; mean episode return "
           f"{run.stats.episodes.mean_return():.2f}. {where}", file=sys.stderr)
-
-
-class RankLogger:
-    """The logger of a learner rank other than 0: its own throughput and returns, on
-    stderr; rank 0 writes the run's logs."""
-
-    def __init__(self, ranks):
-        self.ranks = ranks
-
-    def log(self, step, stats):
-        if "sps" not in stats:
-            return
-        print(f"{self.ranks.name(self.ranks.rank)}: step {step}, "
-              f"{stats['sps'] / self.ranks.world_size:.0f} SPS on this rank, mean episode "
-              f"return {stats.get('mean_episode_return', float('nan')):.2f}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------

@@ -25,10 +25,10 @@ import time
 import torch
 
 import monobeast
-from beast import envs
 from beast import flags as beast_flags
 from beast import learner
 from beast import rollout
+from beast import runlog
 from beast import training
 
 from bench import ceilings
@@ -75,8 +75,8 @@ def _patched(module, name, value):
 
 def null_flags(argv):
     flags = training.parse_flags(monobeast.make_parser(), ["--env", null_env.ENV_ID, *argv])
-    info = envs.env_info(flags)
-    beast_flags.apply_env_defaults(flags, info)
+    info = training.env_spec(flags)
+    beast_flags.apply_env_defaults(flags, info.kind)
     problems = monobeast.check_flags(flags, info)
     if problems:
         raise ValueError("; ".join(problems))
@@ -94,7 +94,7 @@ def profile_monobeast(argv, budget_s):
     with ceilings.torch_threads(1):
         torch.manual_seed(0)
         model = training.build_model(flags, info)
-        schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+        schema = rollout.Schema.of(info.env_fields, model, info.num_actions)
         buffers = monobeast.create_buffers(flags, schema)
         state_buffers = monobeast.create_state_buffers(model, flags.num_buffers)
         actor_rows, unrolls = profile_actor(flags, model, schema, buffers, state_buffers,
@@ -212,7 +212,7 @@ def profile_learner(flags, info, buffers, state_buffers, budget_s):
 
 
 def _learner_step(flags, info, buffers, state_buffers, acc):
-    """A function taking one learner step as Run.learn does: get_batch, then
+    """A function taking one learner step as monobeast.learn does: get_batch, then
     Learner.update (learn_step, weight publish) and TrainingStats.record
     (episodes, stats), with get_batch, learn and the publish timed in acc.
 
@@ -222,12 +222,12 @@ def _learner_step(flags, info, buffers, state_buffers, acc):
     actor_model = training.build_model(flags, info)
     learner_model = training.build_model(flags, info)
     run_learner = learner.Learner(flags, learner_model, actor_model)
-    run_stats = training.TrainingStats(flags, _NullLogger(), 0)
+    run_stats = runlog.TrainingStats(flags, _NullLogger(), 0)
     actor_model.load_state_dict = acc.wrap("publish", actor_model.load_state_dict)
 
     def learn(batch, initial_agent_state):
         step, stats = run_learner.update(batch, initial_agent_state)
-        run_stats.record(step, stats, batch)
+        run_stats.record(step, stats, *learner.episode_stats(batch))
 
     full_queue, free_queue = queue.SimpleQueue(), queue.SimpleQueue()
     timed_get_batch = acc.wrap("get_batch", monobeast.get_batch)

@@ -17,7 +17,7 @@ import torch
 import flag_helpers
 import monobeast
 from beast import checkpoint as ckpt
-from beast import evaluation, learner, models, system, training
+from beast import evaluation, learner, models, runlog, system, training
 from beast import loss as beast_loss
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -49,12 +49,10 @@ def test_rows_carry_the_largest_gradient_norm_since_the_previous_row():
     non-finite norm does not hide the finite ones)."""
     flags = argparse.Namespace(log_interval_steps=100, total_steps=10**6)
     logger = RowsLogger()
-    stats = training.TrainingStats(flags, logger, start_step=0)
-    no_games = {k: torch.zeros(3, 2, dtype=torch.bool if k == "game_over" else torch.float32)
-                for k in ("game_over", "episode_return", "episode_step")}
+    stats = runlog.TrainingStats(flags, logger, start_step=0)
     norms = [5.0, 900.0, float("nan"), 7.0, 3.0, 2.0]
     for i, norm in enumerate(norms, 1):
-        stats.record(50 * i, {"grad_norm": norm}, no_games)
+        stats.record(50 * i, {"grad_norm": norm})
     assert [step for step, _ in logger.rows] == [100, 200, 300]
     assert [row["grad_norm"] for _, row in logger.rows] == [900.0, 7.0, 2.0]  # the last one
     assert [row["grad_norm_max"] for _, row in logger.rows] == [900.0, 7.0, 3.0]
@@ -69,10 +67,8 @@ def test_rows_say_how_long_the_learner_waited_for_batches(monkeypatch):
     monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
     flags = argparse.Namespace(log_interval_steps=100, total_steps=300, num_torch_threads=1)
     logger = RowsLogger()
-    stats = training.TrainingStats(flags, logger, start_step=0)
-    no_games = {k: torch.zeros(3, 2, dtype=torch.bool if k == "game_over" else torch.float32)
-                for k in ("game_over", "episode_return", "episode_step")}
-    stats.record(100, {}, no_games)
+    stats = runlog.TrainingStats(flags, logger, start_step=0)
+    stats.record(100, {})
     assert "learner_wait" not in logger.rows[-1][1]  # no learner thread yet
 
     def batches(waits):
@@ -87,7 +83,7 @@ def test_rows_say_how_long_the_learner_waited_for_batches(monkeypatch):
 
     run = types.SimpleNamespace(flags=flags, stats=stats, step=100,
                                 learner=types.SimpleNamespace(update=update))
-    run.record = lambda step, step_stats, batch: stats.record(step, step_stats, no_games)
+    run.record = lambda step, step_stats, batch: stats.record(step, step_stats)
     run.done = lambda: run.step >= flags.total_steps
     monobeast.learn(run, batches([3.0, 3.0, 0.0, 1.0, 5.0]))
     assert run.step == 300  # stopped at total_steps, the last batch left untaken
