@@ -73,9 +73,9 @@ def make_parser():
     return parser
 
 
-def check_flags(flags, env):
-    """MonoBeast's own flags that depend on the environment (env: training.EnvSpec): fills
-    the ones left to their defaults; returns the problems found."""
+def resolve_flags(flags, env):
+    """Fills MonoBeast's own flags that depend on the environment (env: training.EnvSpec)
+    where they were left to their defaults, then checks them; returns the problems found."""
     if flags.envs_per_actor is None:
         flags.envs_per_actor = ENVS_PER_ACTOR[env.kind]
     if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":
@@ -111,7 +111,7 @@ def check_flags(flags, env):
 def train(flags):
     """Trains until --total_steps or a stop request; the last checkpoint is written whatever
     ended it."""
-    with training.Setup(flags, check_flags) as setup:
+    with training.Setup(flags, resolve_flags) as setup:
         # The actors read the weights from a CPU copy in shared memory, in
         # --acting_precision; the learner writes it after every update.
         acting_model = training.build_acting_model(flags, setup.env)
@@ -433,7 +433,7 @@ def create_state_buffers(model, num_buffers):
 
 def test(flags):
     """--mode test: plays --test_episodes with the run's checkpoint."""
-    return training.test(flags, check_flags)
+    return training.test(flags, resolve_flags)
 
 
 def main(argv=None):

@@ -100,9 +100,9 @@ def learner_queue_size(flags):
     return flags.max_learner_queue_size
 
 
-def check_flags(flags, env):
-    """PolyBeast's own flags that depend on the environment (env: training.EnvSpec): fills
-    the ones left to their defaults; returns the problems found.
+def resolve_flags(flags, env):
+    """Fills PolyBeast's own flags that depend on the environment (env: training.EnvSpec)
+    where they were left to their defaults, then checks them; returns the problems found.
 
     inference_batch_size and max_learner_queue_size stay None when not given (see
     inference_batch_size and learner_queue_size), so that a resume with another
@@ -263,7 +263,7 @@ def start_acting(errors, flags, schema, acting_model, weights_step, addresses, d
 def train(flags):
     """Trains until --total_steps or a stop request; the last checkpoint is written whatever
     ended it. Under torchrun, this process is one of several learner ranks."""
-    with training.Setup(flags, check_flags, distributed_ok=True) as setup, \
+    with training.Setup(flags, resolve_flags, distributed_ok=True) as setup, \
             local_servers.local_env_servers(flags) as servers:  # they boot meanwhile
         acting_model = create_inference_models(flags, setup.env, setup.device)
         with training.Run(setup, acting_model) as run:
@@ -327,7 +327,7 @@ def wait_for_servers(run, servers):
 
 def test(flags):
     """--mode test: plays --test_episodes with the run's checkpoint, here (no servers)."""
-    return training.test(flags, check_flags)
+    return training.test(flags, resolve_flags)
 
 
 def main(argv=None):

@@ -542,7 +542,7 @@ def validate_flags(flags, extra_problems=(), parser=None):
 
     Args:
       flags: the parsed Namespace, with the env defaults applied.
-      extra_problems: problems found elsewhere (a variant's check_flags), reported first.
+      extra_problems: problems found elsewhere (a variant's resolve_flags), reported first.
       parser: whose numeric flags' ranges to check (range_problems); None: the common flags'
         (add_common_flags). A problem found twice is reported once.
     """

@@ -1,6 +1,6 @@
 """The services a training run needs, called from each entry script's train().
 
-    with training.Setup(flags, check_flags) as setup:   every flag checked, the run
+    with training.Setup(flags, resolve_flags) as setup:   every flag checked, the run
                                                          directory claimed, a resume read,
                                                          signals, seeds, learner ranks
         acting_model = ...                               the entry script's own
@@ -71,10 +71,10 @@ def env_spec(flags):
     return EnvSpec(**envs.env_info(flags))
 
 
-def prepare_run(flags, check_flags=None, ranks=None):
+def prepare_run(flags, resolve_flags=None, ranks=None):
     """Checks everything before any work starts, and only then creates the run directory:
     a refused run writes nothing. Reads a resumed run's saved flags and checkpoint, fills
-    the environment's defaults and the entry script's own (check_flags: fn(flags, env) ->
+    the environment's defaults and the entry script's own (resolve_flags: fn(flags, env) ->
     list of problems) and reports every problem at once.
 
     ranks: with several learner ranks, their beast.distributed.Ranks: rank 0 reads the
@@ -90,7 +90,7 @@ def prepare_run(flags, check_flags=None, ranks=None):
         flags.xpid = run_dir.xpid
         if saved_flags is not None:
             ckpt.merge_saved_flags(flags, saved_flags, flags.given)
-        env, precisions = check_flags_for_env(flags, check_flags, checkpoint)
+        env, precisions = resolve_flags_for_env(flags, resolve_flags, checkpoint)
         if ranks.is_main:  # the others write nothing
             run_dir.create()
             if claim:
@@ -143,7 +143,7 @@ def _saved_flags_and_checkpoint(flags, run_dir):
         raise UserError(str(e)) from None
 
 
-def check_flags_for_env(flags, check_flags, checkpoint):
+def resolve_flags_for_env(flags, resolve_flags, checkpoint):
     """The environment's facts, the defaults that depend on them, and every problem with
     the flags, reported together; returns (EnvSpec, precisions)."""
     try:
@@ -151,7 +151,7 @@ def check_flags_for_env(flags, check_flags, checkpoint):
     except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
     beast_flags.apply_env_defaults(flags, env.kind)
-    problems = list(check_flags(flags, env)) if check_flags else []
+    problems = list(resolve_flags(flags, env)) if resolve_flags else []
     problems += video.render_problems(flags)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
@@ -260,8 +260,8 @@ class Setup:
     ranks, stop (set by SIGTERM or Ctrl-C), device (the learner's).
     """
 
-    def __init__(self, flags, check_flags, distributed_ok=False):
-        self.flags, self.check_flags, self.distributed_ok = flags, check_flags, distributed_ok
+    def __init__(self, flags, resolve_flags, distributed_ok=False):
+        self.flags, self.resolve_flags, self.distributed_ok = flags, resolve_flags, distributed_ok
         self.run_dir = None
 
     def __enter__(self):
@@ -269,7 +269,7 @@ class Setup:
         self.ranks = join_ranks(flags, self.distributed_ok)
         try:
             self.run_dir, self.env, self.precisions, self.checkpoint = prepare_run(
-                flags, self.check_flags, self.ranks)
+                flags, self.resolve_flags, self.ranks)
             self.stop = start_process(flags, self.env)
         except BaseException as e:
             self.__exit__(type(e), e, None)
@@ -521,12 +521,12 @@ def report_end(run):
 # ----------------------------------------------------------------------------
 # --mode test.
 
-def test(flags, check_flags):
+def test(flags, resolve_flags):
     """--mode test: plays --test_episodes with the run's checkpoint and records the result.
-    check_flags: the entry script's, as for training."""
+    resolve_flags: the entry script's, as for training."""
     if distributed.env_rank()[1] > 1:
         raise UserError("--mode test plays on one process: run it without torchrun.")
-    run_dir, env, _, checkpoint = prepare_run(flags, check_flags)
+    run_dir, env, _, checkpoint = prepare_run(flags, resolve_flags)
     torch.set_num_threads(flags.num_torch_threads)
     model = build_model(flags, env)
     model.load_state_dict(checkpoint["model_state_dict"])

@@ -65,7 +65,7 @@ def net_flags(net, precision="fp32"):
     argv = ["--model", net.model, "--hidden_size", str(net.hidden_size),
             "--precision", precision]
     flags = monobeast.make_parser().parse_args(argv)
-    beast_flags.apply_env_defaults(flags, info)
+    beast_flags.apply_env_defaults(flags, info["kind"])
     beast_flags.resolve_precisions(flags, "cpu")
     flags.total_steps = 10**12  # keeps the learning rate schedule away from zero
     return flags, info

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-from beast import envs
 from beast import flags as beast_flags
 from beast import runlog
 from beast import training
@@ -49,14 +48,14 @@ def resolve(workload):
     """
     module = importlib.import_module(workload.variant)
     flags = training.parse_flags(module.make_parser(), ["--env", workload.env, *workload.args])
-    info = envs.env_info(flags)
-    beast_flags.apply_env_defaults(flags, info)
-    problems = module.check_flags(flags, info)
+    info = training.env_spec(flags)
+    beast_flags.apply_env_defaults(flags, info.kind)
+    problems = module.resolve_flags(flags, info)
     if problems:
         raise ValueError("; ".join(problems))
     workload.flags = flags
     workload.net = ceilings.NetSpec(flags.model, flags.hidden_size,
-                                    tuple(info["observation_shape"]), info["num_actions"])
+                                    tuple(info.observation_shape), info.num_actions)
     if workload.variant == "monobeast":
         # One forward pass per actor serves its envs_per_actor environments.
         workload.inference_batch = (flags.envs_per_actor if flags.num_actors > 0

@@ -77,7 +77,7 @@ def null_flags(argv):
     flags = training.parse_flags(monobeast.make_parser(), ["--env", null_env.ENV_ID, *argv])
     info = training.env_spec(flags)
     beast_flags.apply_env_defaults(flags, info.kind)
-    problems = monobeast.check_flags(flags, info)
+    problems = monobeast.resolve_flags(flags, info)
     if problems:
         raise ValueError("; ".join(problems))
     flags.total_steps = 10**12

@@ -104,7 +104,7 @@ def report(savedir, xpid, steps):
     """One line per run: its step, the value's deviation, the entropy, each layer's share."""
     flags = training.parse_flags(monobeast.make_parser(),
                                  ["--mode", "test", "--savedir", savedir, "--xpid", xpid])
-    run_dir, info, _, checkpoint = training.prepare_run(flags, monobeast.check_flags)
+    run_dir, info, _, checkpoint = training.prepare_run(flags, monobeast.resolve_flags)
     model = training.build_model(flags, info)
     model.load_state_dict(checkpoint["model_state_dict"])
     shares, value_std, entropy = responses(model, observations(flags, steps))

@@ -163,12 +163,12 @@ def test_every_problem_is_reported_at_once_through_the_learner(tmp_path, capsys,
 def test_the_variants_check_their_own_flags():
     flags = monobeast.make_parser().parse_args(["--actor_timeout_s", "nan"])
     beast_flags.apply_env_defaults(flags, "vector")
-    problems = monobeast.check_flags(flags, types.SimpleNamespace(kind="vector"))
+    problems = monobeast.resolve_flags(flags, types.SimpleNamespace(kind="vector"))
     assert any(p.startswith("--actor_timeout_s must be") for p in problems), problems
     flags = polybeast.make_parser().parse_args(
         ["--stream_timeout_s", "-1", "--envs_per_stream", "100000"])
     beast_flags.apply_env_defaults(flags, "vector")
-    problems = polybeast.check_flags(flags, types.SimpleNamespace(kind="vector"))
+    problems = polybeast.resolve_flags(flags, types.SimpleNamespace(kind="vector"))
     assert any(p.startswith("--stream_timeout_s must be") for p in problems), problems
     assert any(p.startswith("--envs_per_stream must be an integer in [1, ") for p in problems)
 

@@ -16,8 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -81,12 +83,12 @@ def make_sampler(env, unroll_length, num_envs, num_buffers=4, use_lstm=False,
     flags = parser.parse_args(["--env", env, "--unroll_length", str(unroll_length),
                                "--env_backend", backend]
                               + (["--use_lstm"] if use_lstm else []))
-    info = envs.env_info(flags)
-    beast_flags.apply_env_defaults(flags, info)
+    info = training.env_spec(flags)
+    beast_flags.apply_env_defaults(flags, info.kind)
     beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="none (emulated)")
     flags.num_buffers = num_buffers
     model = training.build_model(flags, info)
-    schema = rollout.Schema.of(info["env_fields"], model, info["num_actions"])
+    schema = rollout.Schema.of(info.env_fields, model, info.num_actions)
     buffers = monobeast.create_buffers(flags, schema)
     state_buffers = monobeast.create_state_buffers(model, num_buffers)
     sampler = monobeast.Sampler(flags, model, schema, buffers, state_buffers, num_envs, seed=3)
@@ -110,7 +112,7 @@ def test_pong_rollouts_shapes_and_overlap(backend):
         sampler.close()
     assert first["frame"].shape == (T + 1, 2, 4, 84, 84)
     assert first["frame"].dtype == torch.uint8
-    assert first["policy_logits"].shape == (T + 1, 2, info["num_actions"])
+    assert first["policy_logits"].shape == (T + 1, 2, info.num_actions)
     assert first["action"].dtype == torch.int64
     for key in first:
         assert torch.equal(first[key][T], second[key][0]), f"overlap broken for {key}"
@@ -608,8 +610,8 @@ def test_env_defaults_by_observation_kind():
     with."""
     def resolved(kind):
         flags = monobeast.make_parser().parse_args([])
-        beast_flags.apply_env_defaults(flags, dict(kind=kind))
-        monobeast.check_flags(flags, dict(kind=kind))
+        beast_flags.apply_env_defaults(flags, kind)
+        monobeast.resolve_flags(flags, types.SimpleNamespace(kind=kind))
         return (flags.model, flags.unroll_length, flags.learning_rate, flags.epsilon,
                 flags.entropy_cost, flags.envs_per_actor, flags.grad_norm_clipping,
                 flags.lr_warmup_steps, flags.reward_scale, flags.total_steps, flags.init,
@@ -645,6 +647,6 @@ def test_the_learner_takes_the_cores_the_actors_leave(monkeypatch, typed, mode, 
     common default fills it later)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     flags = monobeast.make_parser().parse_args(["--mode", mode, *typed])
-    beast_flags.apply_env_defaults(flags, {"kind": "atari"})
-    monobeast.check_flags(flags, {"kind": "atari"})
+    beast_flags.apply_env_defaults(flags, "atari")
+    monobeast.resolve_flags(flags, types.SimpleNamespace(kind="atari"))
     assert flags.num_torch_threads == expected
