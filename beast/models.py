@@ -210,9 +210,18 @@ class ActorCritic(nn.Module):
         for start, end in zip(starts, starts[1:] + [T]):
             mask = notdone[start].view(1, B, 1)
             core_state = tuple(mask * s for s in core_state)
-            output, core_state = self.core(core_input[start:end], core_state)
+            output, core_state = self._lstm(core_input[start:end], core_state)
             core_outputs.append(output)
         return torch.cat(core_outputs).flatten(0, 1), core_state
+
+    def _lstm(self, x, state):
+        """One call of the LSTM, in the dtype of its weights with autocast off: under bf16
+        autocast the CPU's LSTM kernel (oneDNN's) needs bf16 instructions (AMX, AVX-512
+        BF16) and fails without them, where a bf16 LSTM outside autocast runs on any CPU. So
+        the learner's LSTM stays float32 under --precision bf16; the acting model's is bf16."""
+        dtype = self.core.weight_ih_l0.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return self.core(x.to(dtype), tuple(s.to(dtype) for s in state))
 
 
 def _steps(x, T, B):
