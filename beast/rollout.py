@@ -2,7 +2,7 @@
 
 A rollout is a dict of arrays with leading dims [T+1, B]. Index t holds the
 environment's output x_t and the agent's output computed on it
-(obs[t] -> action[t]; beast/learner.py states the indexing the loss uses).
+(obs[t] -> action[t]; beast/loss.py states the indexing the loss uses).
 Each field is written by one side:
 
   env    the environment adapter (beast/envs.py RolloutAdapter, the vector envs
