@@ -136,8 +136,9 @@ def create_inference_models(flags, env, device):
             f"--acting_start_method fork with the learner on {device}: a forked process "
             "cannot use CUDA. Drop --acting_start_method (a CUDA learner spawns it), or add "
             "--disable_cuda.")
-    return inference_models.InferenceModels((training.build_acting_model(flags, env, device)
-                            for _ in range(flags.num_inference_threads)), context=context)
+    replicas = [training.build_acting_model(flags, env, device)
+                for _ in range(flags.num_inference_threads)]
+    return inference_models.InferenceModels(replicas, context=context)
 
 
 def to_torch(array, device):
@@ -270,28 +271,28 @@ def train(flags):
             actor_addresses = wait_for_servers(run, servers)
             policy, env_errors = restarts.RestartPolicy(), 0
             while actor_addresses and not run.done() and not run.stop.is_set():
-                acting = acting_process.ActorPoolProcess(run, acting_model, actor_addresses,
+                if policy.restarts:  # after a restart: new locks, the learner's latest weights
+                    acting_model.renew_locks()
+                    run.learner.publish()
+                actors = acting_process.ActorPoolProcess(run, acting_model, actor_addresses,
                                                          start_acting, env_errors)
-                learners = [run.thread(f"learner-{i}", learn, run, acting.batches(run.device))
+                learners = [run.thread(f"learner-{i}", learn, run, actors.batches(run.device))
                             for i in range(flags.num_learner_threads)]
                 for thread in learners:
                     thread.start()
                 try:
-                    while run.running(learners + acting.threads):
-                        acting.check()  # raises ActingDied when the process is gone
+                    while run.running(learners + actors.threads):
+                        actors.check()  # raises ActingDied when the process is gone
                         if servers is not None:
                             servers.check()  # started again when a signal killed them
-                        run.housekeeping(env_errors=acting.env_errors())
+                        run.housekeeping(env_errors=actors.env_errors())
                 except acting_process.ActingDied as died:
-                    restarts.start_again_or_stop(policy, died, acting.started,
+                    restarts.start_again_or_stop(policy, died, actors.started,
                                                  "It is not started again", "Starting it again")
                 finally:
-                    acting.close()
-                    acting_process.close_and_join([], learners + acting.threads)
-                    env_errors = acting.env_errors()
-                # A fresh process acts with the learner's latest weights, under new locks.
-                acting_model.renew_locks()
-                run.learner.publish()
+                    actors.close()
+                    acting_process.close_and_join([], learners + actors.threads)
+                    env_errors = actors.env_errors()
 
 
 def learn(run, batches):
