@@ -248,7 +248,7 @@ class ThreadErrors:
 
 
 class Setup:
-    """Everything before the models: a context manager that the entry script's train()
+    """Everything before the acting side: a context manager that the entry script's train()
     enters first.
 
     On entry: the learner ranks joined (under torchrun), every flag checked (a refused run
@@ -257,7 +257,8 @@ class Setup:
     the other learner ranks told how this one ended.
 
     Fields: flags, env (EnvSpec), precisions, run_dir, checkpoint (None for a new run),
-    ranks, stop (set by SIGTERM or Ctrl-C), device (the learner's).
+    ranks, stop (set by SIGTERM or Ctrl-C), device (the learner's), model (the learner's, its
+    weights not yet restored from the checkpoint).
     """
 
     def __init__(self, flags, resolve_flags, distributed_ok=False):
@@ -271,10 +272,13 @@ class Setup:
             self.run_dir, self.env, self.precisions, self.checkpoint = prepare_run(
                 flags, self.resolve_flags, self.ranks)
             self.stop = start_process(flags, self.env)
+            self.device = select_device(flags)
+            # The learner's model first, before any other draw from the seeded generator: its
+            # initial weights are the seed's, whatever the entry script builds next.
+            self.model = models.to_learning_layout(build_model(flags, self.env).to(self.device))
         except BaseException as e:
             self.__exit__(type(e), e, None)
             raise
-        self.device = select_device(flags)
         return self
 
     def __exit__(self, kind, error, traceback_):
@@ -317,7 +321,7 @@ class Run:
 
     def _start(self, logger):
         flags, setup, env = self.flags, self.setup, self.env
-        model = models.to_learning_layout(build_model(flags, env).to(self.device))
+        model = setup.model
         try:
             self.schema = rollout.Schema.of(env.env_fields, model, env.num_actions,
                                             env.continuous)
