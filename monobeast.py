@@ -161,8 +161,9 @@ def train_with_actors(run, acting_model, buffers, state_buffers):
             thread.start()
         died = None
         try:
-            while run.running(learners):
+            while run.running():
                 actors.check()  # raises ActorDied for an actor that died or hangs
+                run.check_threads(learners)
                 run.housekeeping(env_errors=actors.env_errors())
         except restarts.ActorDied as e:
             died = e

@@ -237,7 +237,7 @@ def create_actor_pool(flags, schema, acting_model, addresses):
         envs_per_stream=flags.envs_per_stream,
         # int64 0, or float32 zeros [A] for a Box action space (single-environment streams).
         initial_last_action=schema.zeros((), source="env")["last_action"],
-        tls=tls.learner_config(flags))
+        tls=tls.learner_config(flags), reconnect_timeout_s=flags.reconnect_timeout_s)
     return learner_queue, inference_batcher, actor_pool
 
 
@@ -281,10 +281,11 @@ def train(flags):
                 for thread in learners:
                     thread.start()
                 try:
-                    while run.running(learners + actors.threads):
-                        actors.check()  # raises ActingDied when the process is gone
+                    while run.running():
+                        actors.check()  # its error, or ActingDied when the process is gone
                         if servers is not None:
                             servers.check()  # started again when a signal killed them
+                        run.check_threads(learners + actors.threads)
                         run.housekeeping(env_errors=actors.env_errors())
                 except acting_process.ActingDied as died:
                     restarts.start_again_or_stop(policy, died, actors.started,

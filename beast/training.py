@@ -1,17 +1,18 @@
 """The services a training run needs, called from each entry script's train().
 
-    with training.Setup(flags, resolve_flags) as setup:   every flag checked, the run
-                                                         directory claimed, a resume read,
-                                                         signals, seeds, learner ranks
-        acting_model = ...                               the entry script's own
-        with training.Run(setup, acting_model) as run:   the learner (learner.Learner),
-                                                         logs, evaluation, status line;
-                                                         on exit the last checkpoint
+    with training.Setup(flags, resolve_flags) as setup:  every flag checked, the run
+                                                        directory claimed, a resume read,
+                                                        seeds, signals, learner ranks, the
+                                                        learner's model
+        acting_model = ...                              the entry script's own
+        with training.Run(setup, acting_model) as run:  the learner (learner.Learner),
+                                                        logs, evaluation, status line; on
+                                                        exit the last checkpoint
             ... actors -> batches -> run.learner.update -> run.record
-            while run.running(threads): run.housekeeping()   status, checkpoints,
-                                                              evaluation, stop requests
+            while run.running(): check the actors, run.check_threads(...),
+                                 run.housekeeping()  status, checkpoints, evaluation
 
-test() is --mode test, run_command() maps a problem the user can fix to one message.
+test() is --mode test; run_command() maps a problem the user can fix to one message.
 The operating system's part (signals, thread names, malloc) is in beast/system.py.
 """
 
@@ -43,6 +44,11 @@ from beast import video
 
 class UserError(Exception):
     """A problem the user can fix; printed as one message, no traceback."""
+
+
+# Seconds without a learner update (the actors or their env servers delivering nothing) after
+# which the run writes its checkpoint and says so, once per stall.
+STALLED_S = 60.0
 
 
 # ----------------------------------------------------------------------------
@@ -299,9 +305,9 @@ class Run:
 
     Holds the learner (learner.Learner: model, optimizer, step counter), the rollout schema,
     the run's statistics and logs, offline evaluation and the status line. The entry script
-    calls record() after every learner update, running() and housekeeping() from the main
-    thread; on exit the last evaluation is played, the last checkpoint written and one line
-    says how the run ended.
+    calls record() after every learner update, running(), check_threads() and housekeeping()
+    from the main thread; on exit the last evaluation is played, the last checkpoint written
+    and one line says how the run ended.
     """
 
     def __init__(self, setup, acting_model):
@@ -346,6 +352,7 @@ class Run:
         self.saved_step = self.learner.step if setup.checkpoint is not None else None
         self.checkpoint_error = None  # why the latest save failed, while it does
         self.stop_reported = False
+        self.stall_step, self.stall_since = self.learner.step, time.monotonic()  # see housekeeping
         if self.ranks.is_distributed:  # the same weights everywhere, each rank its own actions
             torch.manual_seed(distributed.rank_seed(flags.seed, self.ranks.rank))
 
@@ -385,22 +392,22 @@ class Run:
                 "from the environment, or lower --learning_rate.")
         self.evaluator.snapshot_if_due(step, self.learner)
 
-    def running(self, threads=(), poll_s=0.2):
+    def running(self, poll_s=0.2):
         """The main thread's wait: sleeps poll_s, then False once total_steps is reached or a
         stop was requested. Raises the first error of the run's threads or of another learner
-        rank, and when a thread of `threads` ended before total_steps."""
+        rank."""
         time.sleep(poll_s)
         self.ranks.heartbeat()  # raises when another learner rank failed
         self.errors.raise_first()
-        if self.done():
-            return False
-        if self.stopping():
-            return False
+        return not self.done() and not self.stopping()
+
+    def check_threads(self, threads):
+        """Raises when a thread of `threads` ended before total_steps (after the acting side's
+        own check, whose error says why when it ended them)."""
         ended = [t.name for t in threads if not t.is_alive()]
         if ended and not self.done():
             self.errors.raise_first()
             raise RuntimeError(f"thread {', '.join(ended)} ended unexpectedly.")
-        return True
 
     def stopping(self):
         """Whether a stop was requested (SIGTERM, Ctrl-C); says so once."""
@@ -424,7 +431,23 @@ class Run:
                       f"on and tries again in {self.flags.checkpoint_interval_s:g} s.",
                       file=sys.stderr)
             self.last_checkpoint = time.time()
+        self._checkpoint_if_stalled()
         self.evaluator.run_pending(self.stats)
+
+    def _checkpoint_if_stalled(self):
+        """When no learner update has come for STALLED_S (every env server out of reach, say),
+        writes the checkpoint once, so that the wait for rollouts risks nothing learned."""
+        step, now = self.learner.step, time.monotonic()
+        if step != self.stall_step:
+            self.stall_step, self.stall_since = step, now
+            return
+        if now - self.stall_since < STALLED_S or step == self.saved_step or step == 0:
+            return
+        if self.save():
+            print(f"warning: no learner update for {now - self.stall_since:.0f} s; the "
+                  f"checkpoint of step {step} is written. Waiting for rollouts.",
+                  file=sys.stderr)
+        self.stall_since = now
 
     def save(self):
         """Writes the checkpoint: everything a resume needs. Weights that are not finite

@@ -2,6 +2,7 @@
 
     with Hosts() as hosts:            # hosts.address[0] = 10.213.N.1, hosts.address[1] = .2
         hosts.popen(0, [...])         # a process inside host 0's namespace
+        hosts.link(1, up=False)       # a partition, until hosts.link(1, up=True)
 
 Each namespace has its own loopback and one link to the other; nothing in them reaches the
 machine's real network. The namespaces (and with them the veth pair and every process
@@ -69,6 +70,11 @@ class Hosts:
                                    start_new_session=True, **kwargs)
         self.processes.append(process)
         return process
+
+    def link(self, host, up):
+        """Sets host `host`'s end of the veth pair up or down: down is a partition, packets
+        between the hosts are dropped (no reset reaches either side) until it is up again."""
+        _ip("-n", self.names[host], "link", "set", self.links[host], "up" if up else "down")
 
     def pids(self, host):
         """The processes still running inside host `host`'s namespace."""

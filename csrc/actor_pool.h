@@ -27,11 +27,15 @@
 // (LostLines::kInterval), with the count of lines suppressed since the last.
 //
 // Progress is a complete rollout, not contact. Fatal errors:
-// - no Step for connect_timeout_s (unreachable, or accepts streams but never
-//   answers), at the start or after the server went away;
-// - streams that keep ending before a rollout is complete for connect_timeout_s
-//   since the first contact or the end of the last stream that completed one
-//   (such streams reconnect with the backoff, not at once);
+// - no Step for connect_timeout_s from a server that has not yet completed a
+//   rollout of this actor (unreachable, or accepts streams but never answers);
+// - no Step for reconnect_timeout_s from one that has: a link that went down,
+//   a host that reboots. Until then the actor retries (the backoff above)
+//   while the other actors go on with their servers;
+// - streams that reach the server but keep ending before a rollout is
+//   complete for connect_timeout_s since the first contact or the end of the
+//   last stream that completed one (such streams reconnect with the backoff,
+//   not at once; streams that never reach it are the two cases above);
 // - a step without one of env_keys, one with NaN or inf in a float array the
 //   server sent (check_finite), or a bad answer from inference: these raise
 //   BadStep.
@@ -109,7 +113,7 @@ class ActorPool {
             std::vector<std::string> env_keys, double connect_timeout_s, double stream_timeout_s,
             int64_t envs_per_stream = 0,
             Array initial_last_action = filled_array<int64_t>(dtypes::kInt64, 0, {}),
-            TlsConfig tls = {})
+            TlsConfig tls = {}, double reconnect_timeout_s = 0)
       : unroll_length_(unroll_length),
         learner_queue_(std::move(learner_queue)),
         inference_batcher_(std::move(inference_batcher)),
@@ -117,6 +121,8 @@ class ActorPool {
         initial_agent_state_(std::move(initial_agent_state)),
         env_keys_(std::move(env_keys)),
         connect_timeout_(std::chrono::duration<double>(connect_timeout_s)),
+        reconnect_timeout_(std::chrono::duration<double>(
+            reconnect_timeout_s > 0 ? reconnect_timeout_s : connect_timeout_s)),
         stream_timeout_(std::chrono::duration<double>(stream_timeout_s)),
         envs_per_stream_(envs_per_stream),
         initial_last_action_(std::move(initial_last_action)),
@@ -127,6 +133,9 @@ class ActorPool {
     }
     if (!(connect_timeout_s > 0)) throw std::invalid_argument("connect_timeout_s must be > 0");
     if (!(stream_timeout_s > 0)) throw std::invalid_argument("stream_timeout_s must be > 0");
+    if (!(reconnect_timeout_s >= 0)) {
+      throw std::invalid_argument("reconnect_timeout_s must be >= 0 (0: connect_timeout_s)");
+    }
     if (envs_per_stream_ < 0 || envs_per_stream_ > kMaxEnvsPerStream) {
       throw std::invalid_argument("envs_per_stream must be between 0 (ask for nothing) and " +
                                   std::to_string(kMaxEnvsPerStream));
@@ -328,12 +337,13 @@ class ActorPool {
     return true;
   }
 
-  // Throws once the actor has gone connect_timeout_s without progress.
+  // Throws once the actor has gone too long without progress (see the top).
   // progress: the first contact, or the end of the last stream that completed
-  // a rollout; early_streams: the streams since then that did not.
+  // a rollout; early_streams: the streams since then that reached the server
+  // but did not; served: whether any stream of this actor completed a rollout.
   void check_progress(Clock::time_point last_contact,
                       const std::optional<Clock::time_point>& progress, int64_t early_streams,
-                      const std::string& trouble) const {
+                      const std::string& trouble, bool served) const {
     const Clock::time_point now = Clock::now();
     if (progress && early_streams > 0 && now - *progress > connect_timeout_) {
       throw std::runtime_error("no complete rollout for " + seconds_str(seconds(now - *progress)) +
@@ -343,9 +353,12 @@ class ActorPool {
                                std::to_string(unroll_length_) +
                                " was complete; the last one: " + trouble);
     }
-    if (now - last_contact > connect_timeout_) {
+    const Clock::duration limit =
+        std::chrono::duration_cast<Clock::duration>(served ? reconnect_timeout_ : connect_timeout_);
+    if (now - last_contact > limit) {
       std::ostringstream message;
-      message << "could not reach the env server for " << connect_timeout_.count() << " s";
+      message << "could not reach the env server for " << seconds(limit) << " s";
+      if (served) message << " since its last Step (reconnect_timeout_s)";
       if (!trouble.empty()) message << " (last problem: " << trouble << ")";
       throw std::runtime_error(message.str());
     }
@@ -375,8 +388,9 @@ class ActorPool {
       std::string trouble;  // why the last stream ended; empty before the first
       LostLines lost_lines;
       bool announce = false;  // log "reconnected" when the next stream answers
+      bool served = false;  // a stream of this actor has completed a rollout
       while (!stopping()) {
-        check_progress(last_contact, progress, early_streams, trouble);
+        check_progress(last_contact, progress, early_streams, trouble, served);
         const Clock::time_point started = Clock::now();
         std::unique_ptr<EnvStream> stream = connection->open(envs_per_stream_);
         if (!stream) continue;  // not reachable now; open() waited a little
@@ -395,10 +409,12 @@ class ActorPool {
         if (end.rollouts > 0) {
           progress = Clock::now();
           early_streams = 0;
+          served = true;
           backoff = std::chrono::milliseconds(100);
         } else {
-          // Contact without a rollout is no progress: retry, but not at once.
-          ++early_streams;
+          // No rollout is no progress: retry, but not at once. A stream that never got a
+          // Step (a link that is down) is no early stream: last_contact covers it.
+          if (end.steps > 0) ++early_streams;
           sleep_unless_stopping(backoff);
           backoff = std::min<Clock::duration>(2 * backoff, std::chrono::seconds(2));
         }
@@ -769,6 +785,7 @@ class ActorPool {
   const Nest initial_agent_state_;
   const std::vector<std::string> env_keys_;  // names every env step must carry
   const std::chrono::duration<double> connect_timeout_;
+  const std::chrono::duration<double> reconnect_timeout_;
   const std::chrono::duration<double> stream_timeout_;
   const int64_t envs_per_stream_;  // asked of every server; 0: ask for nothing
   const Array initial_last_action_;  // a single-environment stream's first last_action

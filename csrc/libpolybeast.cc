@@ -222,15 +222,18 @@ PYBIND11_MODULE(libpolybeast, m) {
       "wait for the server counts, not inference or the learner queue), is reconnected\n"
       "to with a fresh agent state; 'lost the env server' is logged at most once per\n"
       "actor per 5 s. The run fails (see run()) when an actor gets no Step for\n"
-      "connect_timeout_s, or when its streams keep ending before a rollout is\n"
-      "complete for connect_timeout_s.")
+      "connect_timeout_s from a server that has not yet completed one of its rollouts, or\n"
+      "for reconnect_timeout_s (0: connect_timeout_s) from one that has, or when its\n"
+      "streams keep reaching the server but ending before a rollout is complete for\n"
+      "connect_timeout_s.")
       .def(py::init([](int64_t unroll_length, std::shared_ptr<BatchingQueue> learner_queue,
                        std::shared_ptr<DynamicBatcher> inference_batcher,
                        std::vector<std::string> env_server_addresses,
                        py::handle initial_agent_state, std::vector<std::string> env_keys,
                        double connect_timeout_s, double stream_timeout_s, int64_t envs_per_stream,
                        py::handle initial_last_action,
-                       std::optional<std::map<std::string, std::string>> tls) {
+                       std::optional<std::map<std::string, std::string>> tls,
+                       double reconnect_timeout_s) {
              beast::Array last = beast::filled_array<int64_t>(beast::dtypes::kInt64, 0, {});
              if (!initial_last_action.is_none()) {
                Nest nest = beast::nest_from_python(initial_last_action, "initial_last_action");
@@ -243,19 +246,21 @@ PYBIND11_MODULE(libpolybeast, m) {
                  unroll_length, std::move(learner_queue), std::move(inference_batcher),
                  std::move(env_server_addresses), beast::nest_from_python(initial_agent_state),
                  std::move(env_keys), connect_timeout_s, stream_timeout_s, envs_per_stream,
-                 std::move(last), tls ? TlsConfig::from_map(*tls) : TlsConfig{});
+                 std::move(last), tls ? TlsConfig::from_map(*tls) : TlsConfig{},
+                 reconnect_timeout_s);
            }),
            py::arg("unroll_length"), py::arg("learner_queue"), py::arg("inference_batcher"),
            py::arg("env_server_addresses"), py::arg("initial_agent_state"), py::arg("env_keys"),
            py::arg("connect_timeout_s") = 60.0, py::arg("stream_timeout_s") = 30.0,
            py::arg("envs_per_stream") = 0, py::arg("initial_last_action") = py::none(),
-           py::arg("tls") = py::none())
+           py::arg("tls") = py::none(), py::arg("reconnect_timeout_s") = 0.0)
       .def(
           "run", [](ActorPool& pool) { wait_without_gil([&] { pool.run(check_signals); }); },
           "Runs the actors until the queues (or the pool) are closed. Raises RuntimeError\n"
           "naming the address for the first actor that failed: an env server that sent\n"
-          "no Step for connect_timeout_s; streams that kept ending before a rollout was\n"
-          "complete for connect_timeout_s (the message counts them and gives the last\n"
+          "no Step for connect_timeout_s (reconnect_timeout_s once it had served); streams\n"
+          "that kept reaching it but ending before a rollout was complete for\n"
+          "connect_timeout_s (the message counts them and gives the last\n"
           "reason). BadStep (a RuntimeError) for a step the learner cannot take: one\n"
           "without one of env_keys, or with NaN or inf in a float array the server sent;\n"
           "or a bad inference answer. That also closes both queues.")

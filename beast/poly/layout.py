@@ -65,9 +65,15 @@ def add_server_flags(groups):
              "number. Implies --no_start_servers.")
     groups.operations.add_argument(
         "--connect_timeout_s", type=beast_flags.Number(float, above=0), default=60.0,
-        help="End the run when an env server cannot be reached for this long "
-             "(at the start, or after it went away), or when its streams keep "
-             "ending before a rollout is complete for this long.")
+        help="End the run when an env server that has not yet served this run (no "
+             "complete rollout) cannot be reached for this long, or when its streams keep "
+             "reaching it but ending before a rollout is complete for this long.")
+    groups.operations.add_argument(
+        "--reconnect_timeout_s", type=beast_flags.Number(float, above=0), default=3600.0,
+        help="End the run when an env server that has served it cannot be reached for this "
+             "long (a link that went down, a host that reboots). Until then its actor "
+             "retries with backoff while the other servers serve; when none serves, the "
+             "learner writes a checkpoint and waits.")
     groups.operations.add_argument(
         "--stream_timeout_s", type=beast_flags.Number(float, above=0), default=30.0,
         help="Cancel a stream and reconnect when its env server sends no step "
@@ -181,10 +187,10 @@ def check_tls(flags):
     return []
 
 
-def tls_hint(flags, addresses):
+def tls_hint(flags, actor_addresses):
     """What to check when servers over TCP did not answer: a TLS handshake that failed looks
     like a server that is not there (gRPC logs some handshake errors above, not all)."""
-    if all(addresses.socket_path(a) for a in addresses):
+    if all(addresses.socket_path(a) for a in actor_addresses):
         return ""
     if flags.tls_ca is None:
         return " Servers started with --tls_cert need --tls_ca here."
