@@ -81,11 +81,16 @@ def start_run(tmp_path, hosts, *args):
     return learner, tmp_path / "runs" / "run", addresses
 
 
+# Steps after which every actor has completed rollouts, so that each server has served the
+# run: 2 streams of 128 CartPoles, 80 steps a rollout, are 20,480 steps a round.
+SERVED_STEPS = 60_000
+
+
 def partition(hosts, learner, run_dir, seconds):
-    """Waits for the run to learn, then cuts the link for `seconds`; returns the last step
-    logged before the cut and the last one logged while the link was down."""
-    wait_for(lambda: len(logged_steps(run_dir)) >= 3 or learner.poll() is not None,
-             "the first rows of logs.csv")
+    """Waits until both servers have served the run, then cuts the link for `seconds`;
+    returns the last step logged before the cut and the last one logged while it was down."""
+    wait_for(lambda: max(logged_steps(run_dir) or [0]) >= SERVED_STEPS
+             or learner.poll() is not None, "the servers to serve the run")
     assert learner.poll() is None, learner.communicate()[1][-3000:]
     before = logged_steps(run_dir)[-1]
     hosts.link(1, up=False)
