@@ -20,15 +20,13 @@ update are beast/loss.py and beast/learner.py.
 import argparse
 import os
 import queue
-import signal
 import sys
 import time
-from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
-from torch import multiprocessing as mp
 
+from beast import actor_processes
 from beast import flags as beast_flags
 from beast import lockstep
 from beast import models
@@ -151,8 +149,9 @@ def train_with_actors(run, acting_model, buffers, state_buffers):
     flags = run.flags
     policy, env_errors = restarts.RestartPolicy(), 0
     while not run.done() and not run.stop.is_set():
-        actors = ActorProcesses(flags, acting_model, run.learner.weights_step, run.schema,
-                                buffers, state_buffers, policy.restarts, env_errors)
+        actors = actor_processes.ActorProcesses(
+            flags, actor, (acting_model, run.learner.weights_step, run.schema, buffers,
+                           state_buffers), policy.restarts, env_errors)
         batches = iter(lambda: get_batch(flags, actors.full_queue, actors.free_queue,
                                          buffers, state_buffers, run.device), None)
         learners = [run.thread(f"learner-{i}", learn, run, batches)
@@ -311,12 +310,13 @@ class Sampler:
         self.envs.close()
 
 
-def actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, state_buffers,
-          error_count, times_restarted=0, stepping=None, weights_step=None):
-    """An actor process: takes free buffer indices, fills them, hands them on.
-    times_restarted: how often the actors were started again (train_with_actors): new
-    seeds each time.
-    stepping: the shared value the actor's Sampler writes for the watchdog.
+def actor(actor_index, flags, free_queue, full_queue, error_count, stepping, times_restarted,
+          model, weights_step, schema, buffers, state_buffers):
+    """An actor process (started by beast/actor_processes.py): takes free buffer indices,
+    fills them, hands them on.
+    error_count, stepping: the shared environment-restart count and the value the actor's
+    Sampler writes for the watchdog. times_restarted: how often the actors were started
+    again (train_with_actors): new seeds each time.
     weights_step: the learner step of model's weights (learner.Learner.weights_step)."""
     system.leave_stop_signals_to_the_learner()
     system.name_os_thread(f"actor-{actor_index}")
@@ -346,72 +346,6 @@ def actor(actor_index, flags, free_queue, full_queue, model, schema, buffers, st
     finally:
         if sampler is not None:
             sampler.close()
-
-
-class ActorProcesses:
-    """One start of the actor processes and the two queues between them and the learner:
-    free_queue (buffer indices to fill) and full_queue (filled ones)."""
-
-    def __init__(self, flags, acting_model, weights_step, schema, buffers, state_buffers,
-                 times_restarted=0, env_errors=0):
-        self.flags = flags
-        ctx = mp.get_context("fork")
-        self.free_queue, self.full_queue = ctx.SimpleQueue(), ctx.SimpleQueue()
-        self.error_count = ctx.Value("i", 0)
-        self.env_errors_before = env_errors
-        # Lock-free: one writer each, and a killed actor must not leave a lock held.
-        self.stepping = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
-        self.processes = [
-            ctx.Process(target=actor, name=f"actor-{i}", daemon=True,
-                        args=(i, flags, self.free_queue, self.full_queue, acting_model, schema,
-                              buffers, state_buffers, self.error_count, times_restarted,
-                              self.stepping[i], weights_step))
-            for i in range(flags.num_actors)]
-        self.started = time.monotonic()
-        for process in self.processes:
-            process.start()
-        for m in range(flags.num_buffers):
-            self.free_queue.put(m)
-
-    def check(self):
-        """Raises ActorDied for an actor that died, or that hangs (it is killed first)."""
-        restarts.check_actors(self.processes)
-        timeout = self.flags.actor_timeout_s
-        for i, since in enumerate(value.value for value in self.stepping):
-            if timeout > 0 and since > 0 and time.time() - since > timeout:
-                self.processes[i].kill()
-                raise restarts.ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
-
-    def env_errors(self):
-        # Without the counter's lock: a killed actor may have held it.
-        return self.env_errors_before + self.error_count.get_obj().value
-
-    def stop(self, learner_threads, kill=False):
-        """Stops the actors and the learner threads that take their batches; returns the
-        environment errors so far. kill: after an actor died, the others are killed rather
-        than asked, since the dead one may hold the lock of the queue they wait on."""
-        flags = self.flags
-        if kill:
-            for process in self.processes:
-                process.kill()
-        else:  # the actors first, so no one waits on a queue that nobody feeds
-            for _ in range(flags.num_actors * flags.envs_per_actor):
-                self.free_queue.put(None)
-        for _ in learner_threads:
-            for _ in range(flags.batch_size):
-                put_unlocked(self.full_queue, None)
-        for thread in learner_threads:
-            thread.join(timeout=60)
-        restarts.join_actors(self.processes)
-        return self.env_errors()
-
-
-def put_unlocked(simple_queue, item):
-    """SimpleQueue.put without the queue's write lock, which an actor killed in the middle of
-    a put keeps for ever (waiting on it hung a restart). Safe without it: a message this small
-    goes into the pipe in one write, which POSIX makes atomic below PIPE_BUF bytes, so it
-    cannot interleave with another; a killed writer leaves a whole message or none."""
-    simple_queue._writer.send_bytes(ForkingPickler.dumps(item))
 
 
 # ----------------------------------------------------------------------------

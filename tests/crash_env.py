@@ -55,7 +55,7 @@ class LockHoldingCartPole(CrashingCartPole):
         frame = sys._getframe()  # up to the actor's loop, which steps us
         while not {"full_queue", "lockstep"} & set(frame.f_locals):
             frame = frame.f_back
-        if "full_queue" in frame.f_locals:  # monobeast.run_actor
+        if "full_queue" in frame.f_locals:  # monobeast.actor
             frame.f_locals["full_queue"]._wlock.acquire()
         else:  # lockstep.act_in_lockstep (--deterministic)
             frame.f_locals["lockstep"].lock.acquire()
