@@ -214,6 +214,9 @@ def from_environment(flags):
     if missing:
         raise ValueError(f"WORLD_SIZE is {world_size} but {', '.join(missing)} is not set: "
                          "start the learner ranks with torchrun.")
+    problem = restarts_problem(os.environ)
+    if problem:
+        raise ValueError(problem)
     backend = "gloo"
     # gloo binds to the address the hostname resolves to, often 127.0.1.1 or 127.0.0.1:
     # then ranks on other hosts cannot reach it. The interface that routes to the
@@ -226,6 +229,24 @@ def from_environment(flags):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per local rank
     return Ranks(int(os.environ["RANK"]), world_size, int(os.environ["LOCAL_RANK"]),
                  backend, flags.dist_timeout_s)
+
+
+def restarts_problem(environ):
+    """Why this group cannot be restarted by torchrun (--max_restarts), or None.
+
+    A restarted group must not share torchrun's rendezvous store with the group before it:
+    the new ranks can read the old ones' addresses and last words there and fail at once
+    or hang (pytorch/pytorch#135712). torchrun's c10d rendezvous gives each group a fresh
+    store when TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; its static one (--master_addr and
+    --master_port without --rdzv_backend) never does."""
+    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) <= 0:
+        return None
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return ("torchrun --max_restarts restarts the learner ranks, and a restarted group must "
+            "have a rendezvous store of its own: run torchrun with --rdzv_backend c10d "
+            "--rdzv_endpoint HOST:PORT and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment (docs/polybeast.md, 'Restarts'), or without --max_restarts.")
 
 
 def interface_towards(address, port):

@@ -132,6 +132,18 @@ def test_shard_and_rank_seeds():
     assert len(seeds) == 8 and all(0 <= s < 2**31 for s in seeds)
 
 
+def test_restarts_need_a_store_of_their_own():
+    """torchrun --max_restarts with the rendezvous store it shares by default is refused."""
+    assert distributed.restarts_problem({}) is None  # a plain torchrun
+    assert distributed.restarts_problem({"TORCHELASTIC_MAX_RESTARTS": "0",
+                                         "TORCHELASTIC_USE_AGENT_STORE": "True"}) is None
+    assert distributed.restarts_problem({"TORCHELASTIC_MAX_RESTARTS": "3",
+                                         "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+    problem = distributed.restarts_problem({"TORCHELASTIC_MAX_RESTARTS": "3",
+                                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem and "--rdzv_backend c10d" in problem
+
+
 # ----------------------------------------------------------------------------
 # End to end under torchrun.
 
@@ -272,3 +284,105 @@ def test_two_learner_ranks_on_two_hosts_learn_cartpole(tmp_path):
     rows = runlog.read_logs(tmp_path / "host0" / "run" / "logs.csv")
     final = float(rows[-1]["mean_episode_return"])
     assert final >= 100, f"mean return {final} after {rows[-1]['step']} steps on 2 ranks"
+
+
+# ----------------------------------------------------------------------------
+# torchrun --max_restarts: the group starts again by itself and resumes.
+
+def elastic_rank(node, endpoint, savedir, *args, max_restarts=2):
+    """One node's torchrun (one learner rank) of a two-node group with its own store."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=run",
+            f"--rdzv_conf=is_host={int(node == 0)}", f"--max_restarts={max_restarts}",
+            "-m", "polybeast", "--savedir", str(savedir), "--xpid", "run", *args]
+
+
+def one_value_per_step(run_dir):
+    """Steps of logs.csv and of TensorBoard's total_loss, each checked to be strictly rising."""
+    from tensorboard.backend.event_processing import event_accumulator
+    steps = [int(r["step"]) for r in runlog.read_logs(run_dir / "logs.csv")]
+    assert steps == sorted(set(steps)), "logs.csv holds a step twice or out of order"
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = [s.step for s in events.Scalars("total_loss")]
+    assert scalars == sorted(set(scalars)), "TensorBoard holds a step twice"
+    return steps
+
+
+ELASTIC = [*SHORT, "--total_steps", "150000", "--log_interval_steps", "2000",
+           "--checkpoint_interval_s", "5"]
+
+
+@pytest.mark.slow
+def test_max_restarts_start_a_killed_rank_again_and_resume(tmp_path):
+    env = child_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    endpoint = f"127.0.0.1:{free_port()}"
+    logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]
+    nodes = [subprocess.Popen(elastic_rank(node, endpoint, tmp_path / f"host{node}", *ELASTIC),
+                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for node, log in zip((0, 1), logs)]
+    try:
+        csv_path = tmp_path / "host0" / "run" / "logs.csv"
+        wait_for(lambda: csv_path.exists() and len(runlog.read_logs(csv_path)) >= 5, "training")
+        worker = subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True,
+                                text=True).stdout.split()
+        assert worker, "rank 1's torchrun has no worker"
+        os.kill(int(worker[0]), signal.SIGKILL)
+        codes = [p.wait(WAIT_S * 2) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    out = (tmp_path / "node0.log").read_text()
+    assert codes == [0, 0], out[-3000:]
+    assert "learner rank 1 (host" in out and "Resuming" in out, out[-3000:]
+    steps = one_value_per_step(tmp_path / "host0" / "run")
+    assert steps[-1] >= 150000
+    assert not (tmp_path / "host1").exists()  # rank 1 wrote nothing, in either start
+
+
+@pytest.mark.slow
+def test_max_restarts_with_the_shared_store_are_refused(tmp_path):
+    command = torchrun(tmp_path, *SHORT, "--total_steps", "4000")
+    command.insert(3, "--max_restarts=1")  # --standalone: the c10d store, shared
+    done = subprocess.run(command, cwd=REPO, env=child_env(tmp_path), capture_output=True,
+                          text=True, timeout=WAIT_S)
+    assert done.returncode != 0
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "runs" / "run" / "logs.csv").exists()
+
+
+@needs_netns
+@pytest.mark.slow
+def test_max_restarts_ride_out_a_link_down_past_dist_timeout(tmp_path):
+    """Rank 1's host cut off for longer than --dist_timeout_s: both ranks stop, and torchrun
+    starts the group again once the link is back; it resumes from rank 0's checkpoint."""
+    env = child_env(tmp_path, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with netns.Hosts() as hosts:
+        endpoint = f"{hosts.address[0]}:{free_port()}"
+        logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]
+        nodes = []
+        for node, log in zip((0, 1), logs):
+            command = elastic_rank(node, endpoint, tmp_path / f"host{node}", *ELASTIC,
+                                   "--dist_timeout_s", "15")
+            # Every host here has the machine's hostname: name each one's own address.
+            command.insert(3, f"--local_addr={hosts.address[node]}")
+            nodes.append(hosts.popen(node, command, cwd=REPO, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT))
+        try:
+            csv_path = tmp_path / "host0" / "run" / "logs.csv"
+            wait_for(lambda: csv_path.exists() and len(runlog.read_logs(csv_path)) >= 5,
+                     "training")
+            hosts.link(1, up=False)
+            time.sleep(30)
+            hosts.link(1, up=True)
+            codes = [p.wait(WAIT_S * 2) for p in nodes]
+        finally:
+            for log in logs:
+                log.close()
+    out = (tmp_path / "node0.log").read_text()
+    assert codes == [0, 0], out[-3000:]
+    assert "learner rank 1 (host" in out and "Resuming" in out, out[-3000:]
+    assert one_value_per_step(tmp_path / "host0" / "run")[-1] >= 150000
