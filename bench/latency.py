@@ -84,7 +84,8 @@ def measure(hosts, workdir, env, flags, rtt, port, duration_s, warmup_s):
 
 def report(results, args, command):
     lines = ["# PolyBeast with env servers far away", "",
-             f"- command: `{command}`", f"- machine: {machine.describe()}",
+             f"- command: `{command}`",
+             "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.describe().items()),
              f"- each run: {args.duration_s:g} s after its first row, SPS from the rows after "
              f"the first {args.warmup_s:g} s; two env servers on one host, the learner on "
              "another, the round trip added between them", "",
