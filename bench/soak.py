@@ -156,7 +156,8 @@ class Watch:
                  for d, dirs, names in os.walk(tmpdir) for n in dirs + names
                  if not n.startswith("torchinductor_") and "torchinductor_" not in d]
         segments = sorted(p for p in self.shared_memory if os.path.exists(p))
-        return {"processes": alive, "files in $TMPDIR": files, "shared memory": segments}
+        return {"processes": alive, "files in $TMPDIR": files,
+                f"shared memory (of {len(self.shared_memory)} /dev/shm files mapped)": segments}
 
 
 def soak(args):
@@ -198,7 +199,8 @@ def soak(args):
     left = watch.leftovers(tmpdir)
     watch.file.close()
     header = {"command": "python -m bench.soak " + " ".join(sys.argv[1:]),
-              "run": " ".join(command[1:]), "machine": machine.describe(),
+              "run": " ".join(command[1:]),
+              "machine": ", ".join(f"{k} {v}" for k, v in machine.describe().items()),
               "ran for": f"{(time.time() - watch.start) / 60:.1f} minutes, training until "
                          f"the end: {'yes' if still_running else 'no'}; exit code "
                          f"{run.returncode} on SIGTERM",
