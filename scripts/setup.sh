@@ -43,5 +43,9 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
 "$PYTHON" -m pip install -q -r requirements.txt
+# NetHack's environments. nle pins gymnasium to an older release (nle 1.3.0: ==1.2.0), whose
+# gymnasium.make refuses a gymnasium.Wrapper subclass as an entry point (tests/flaky_env.py);
+# nle runs on the gymnasium installed above, so its pins are left out.
+"$PYTHON" -m pip install -q --no-deps nle
 "$PYTHON" -m pip install -q --no-build-isolation -e .
 "$PYTHON" -c "import libpolybeast, torch; print('set-up done: torch', torch.__version__)"
