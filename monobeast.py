@@ -37,7 +37,7 @@ from beast import training
 from beast import vector_envs
 
 # Environments each actor steps together, by kind of environment (beast/flags.py ENV_DEFAULTS).
-ENVS_PER_ACTOR = {"atari": 8, "image": 32, "vector": 32, "continuous": 16}
+ENVS_PER_ACTOR = {"atari": 8, "image": 32, "vector": 32, "continuous": 16, "nethack": 16}
 
 
 def make_parser():

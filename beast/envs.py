@@ -17,6 +17,9 @@ Which ids `create_env` accepts:
     max-pooling, 84x84 grayscale, 4-frame stack, FIRE on reset, optional end-of-life episodes);
     with --env_backend envpool, EnvPool's C++ does the same (beast/envpool_backend.py).
   * MinAtar: `MinAtar/<Game>-v0|v1` (pip install minatar), channels-first float32 frames.
+  * NetHack: the NetHack Learning Environment's ids (the nle package), `NetHackScore-v0`,
+    `NetHackChallenge-v0` and the task suite (NETHACK_IDS), as a Dict of the entries that
+    --model nethack reads (NETHACK_KEYS), its games seeded from the first reset's seed.
   * Any other id in Gymnasium's registry (CartPole-v1, LunarLander-v3, ...), also
     `some.module:EnvId-v0`, which imports `some.module` first so that it can register its ids
     (the benchmarks' null environment is `bench.null_env:Null-v0`).
@@ -26,7 +29,7 @@ Which ids `create_env` accepts:
   * Environments written for the old gym API (reset() -> obs; step() -> (obs, reward, done, info))
     are detected and wrapped in `LegacyGymAPI` (see `create_env`).
 
-Only numpy, gymnasium and the optional environment packages (minatar) are imported, besides the
+Only numpy, gymnasium and the optional environment packages (minatar, nle) are imported, besides the
 Atari and EnvPool modules beside this one.
 """
 
@@ -56,6 +59,19 @@ MINATAR_IDS = tuple(
     for game in ("Asterix", "Breakout", "Freeway", "Seaquest", "SpaceInvaders")
     for version in ("v0", "v1")
 )
+
+# The ids that the nle package registers: the whole game rewarded by its score (Score, and
+# NetHack-v0 with the full keyboard and no penalty for idle steps), the NetHack Challenge's
+# (Challenge: every key, a random character, menus not skipped) and the task suite.
+NETHACK_IDS = tuple(
+    f"NetHack{task}-v0"
+    for task in ("Score", "Challenge", "Staircase", "StaircasePet", "Oracle", "Gold", "Eat",
+                 "Scout", "")
+)
+# The entries of NLE's observation that NetHack environments return: what --model nethack
+# reads (beast/models.py NetHackNet). NLE builds only these; its other entries cost a copy
+# per step each (screen_descriptions alone is 21 x 79 x 80 bytes).
+NETHACK_KEYS = ("glyphs", "blstats")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +135,8 @@ def _make_env(flags, render_mode=None):
                              f"{error}") from error
         except Exception as error:  # a syntax error, or anything its code raised
             _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
+    if env_id in NETHACK_IDS:
+        return _make_nethack(env_id, render_mode)
     if env_id not in gymnasium.registry:
         raise ValueError(_unknown_env_message(env_id))
     if atari_wrappers.atari_spec_kwargs(env_id) is not None:
@@ -133,7 +151,7 @@ def _make_env(flags, render_mode=None):
 
 
 def _unknown_env_message(env_id):
-    candidates = list(gymnasium.registry) + list(MINATAR_IDS)
+    candidates = list(gymnasium.registry) + list(MINATAR_IDS) + list(NETHACK_IDS)
     by_lower = {candidate.lower(): candidate for candidate in candidates}
     close = difflib.get_close_matches(env_id.lower(), list(by_lower), n=4, cutoff=0.6)
     suggestion = f" Did you mean {', '.join(by_lower[c] for c in close)}?" if close else ""
@@ -144,6 +162,9 @@ def _unknown_env_message(env_id):
         "  classic control / Box2D / MuJoCo: e.g. CartPole-v1, LunarLander-v3 "
         "(pip install gymnasium, gymnasium[box2d], gymnasium[mujoco])\n"
         "  MinAtar: MinAtar/<Game>-v1, e.g. MinAtar/Breakout-v1 (pip install minatar)\n"
+        "  NetHack: NetHackScore-v0, NetHackChallenge-v0 and the tasks NetHackStaircase-v0, "
+        "NetHackStaircasePet-v0, NetHackOracle-v0, NetHackGold-v0, NetHackEat-v0, "
+        "NetHackScout-v0 (pip install --no-deps nle)\n"
         "  any Gymnasium id that a package registers on import: some.module:EnvId-v0, e.g. "
         "bench.null_env:Null-v0 (constant observations, to measure the system's overhead)"
     )
@@ -162,7 +183,8 @@ def _raise_from_env_code(env_flag, doing, error):
 
 def env_kind(env):
     """"atari" when our Atari preprocessing (or EnvPool's) is anywhere inside `env`, whatever wraps
-    it; otherwise "image" for [C, H, W] observations, "continuous" for other observations with a
+    it; "nethack" when NetHackEnv is (every NetHack env from create_env); otherwise "image"
+    for [C, H, W] observations, "continuous" for other observations with a
     Box action space (continuous control: Pendulum, MuJoCo) and "vector" for the rest. The kind
     picks the defaults of beast/flags.py; the action space alone picks the policy head, so an
     image env with a Box action space gets the image defaults and a Gaussian policy."""
@@ -170,6 +192,8 @@ def env_kind(env):
     while layer is not None:
         if isinstance(layer, (atari_wrappers.AtariPreprocessing, envpool_backend.EnvPoolSingle)):
             return "atari"
+        if isinstance(layer, NetHackEnv):
+            return "nethack"
         layer = getattr(layer, "env", None)
     if _has_image(env.observation_space):
         return "image"
@@ -181,11 +205,11 @@ def env_info(flags):
 
     Returns dict(observation_shape: tuple, observation_dtype: np.dtype (for a Dict observation
     {entry: shape} and {entry: dtype}, see observation_layout), num_actions: int,
-    continuous: bool, action_low and action_high, kind: "atari" | "image" | "continuous" |
-    "vector" (see env_kind), env_fields: the rollout fields the environment side writes
-    (beast/rollout.py)). For a Discrete action space num_actions is its size and the bounds are
-    None; for a Box of shape [A] (continuous) num_actions is A and the bounds are its float64
-    [A] low and high. Raises ValueError for another action space or a bad rollout_fields
+    continuous: bool, action_low and action_high, kind: "atari" | "nethack" | "image" |
+    "continuous" | "vector" (see env_kind), env_fields: the rollout fields the environment side
+    writes (beast/rollout.py)). For a Discrete action space num_actions is its size and the
+    bounds are None; for a Box of shape [A] (continuous) num_actions is A and the bounds are
+    its float64 [A] low and high. Raises ValueError for another action space or a bad rollout_fields
     declaration.
     """
     env = create_env(flags)
@@ -410,7 +434,7 @@ class RolloutAdapter:
 
 # ---------------------------------------------------------------------------------------------
 # How _make_env makes the environments that are not Atari: the old gym API, observation
-# casts, MinAtar.
+# casts, MinAtar, NetHack.
 
 
 def _as_gymnasium_space(space):
@@ -611,3 +635,50 @@ def _make_minatar(env_id, render_mode=None):
                          f"{', '.join(MINATAR_IDS)}")
     return ChannelsFirst(gymnasium.make(env_id, disable_env_checker=True,
                                         **_render_kwargs(render_mode)))
+
+
+def _make_nethack(env_id, render_mode=None):
+    try:
+        import nle  # noqa: F401 (importing it registers the NetHack ids)
+    except ImportError as error:
+        raise ValueError(f"Environment {env_id!r} needs the NetHack Learning Environment: "
+                         "pip install --no-deps nle (as scripts/setup.sh does: nle pins an "
+                         "older gymnasium, and runs on the one installed)") from error
+    # fix_moon_phase: the moon's phase and Friday the 13th, which change the game's luck,
+    # follow the seed instead of the date, so that a seeded game is the same on any day.
+    return NetHackEnv(gymnasium.make(env_id, observation_keys=NETHACK_KEYS,
+                                       fix_moon_phase=True, disable_env_checker=True,
+                                       **_render_kwargs(render_mode)))
+
+
+class NetHackEnv(gymnasium.Wrapper):
+    """What an NLE environment needs to keep the promises of create_env's environments.
+
+    Fresh arrays: NLE writes every step's observation into the same arrays, which a caller
+    may still hold; each step's are copied (a few kB).
+    Seeds: Gymnasium's reset(seed=...) does not reach NetHack's own random generators. The
+    first reset's seed starts a generator that draws the seeds (core and disp) of every game
+    after it, NetHack's reseeding from true randomness turned off, so that a seeded
+    environment plays the same games again; without a seed, NLE draws its own.
+    """
+
+    def __init__(self, env):
+        super().__init__(env)
+        self._game_seeds = None
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self._game_seeds = np.random.default_rng(seed)
+        if self._game_seeds is not None:
+            core, disp = (int(s) for s in self._game_seeds.integers(2**63 - 1, size=2))
+            self.env.unwrapped.seed(core, disp, reseed=False)
+        observation, info = self.env.reset(seed=seed, options=options)
+        return _copied(observation), info
+
+    def step(self, action):
+        observation, *rest = self.env.step(action)
+        return (_copied(observation), *rest)
+
+
+def _copied(observation):
+    return {key: value.copy() for key, value in observation.items()}

@@ -25,6 +25,7 @@ KIND_LABELS = {
     "image": "other images",  # any other [C, H, W] observation, e.g. MinAtar's [C, 10, 10]
     "vector": "vector",  # [D] observations, e.g. CartPole's [4]
     "continuous": "continuous control",  # [D] observations and a Box action space: Pendulum
+    "nethack": "NetHack",  # the NetHack Learning Environment's glyphs and blstats (the nle package)
 }
 
 PRECISIONS = ["auto", "fp32", "bf16"]
@@ -112,6 +113,29 @@ ENV_DEFAULTS = {
         reward_clipping="none",
         episodic_life=False,
         discounting=0.9,
+        reward_scale=0.1,
+        precision="fp32",
+        acting_precision="fp32",
+    ),
+    # The NLE paper's IMPALA (T=80, lr 2e-4, RMSprop epsilon 1e-6, entropy 0.001, discount
+    # 0.999) at a quarter of its batch, the score's jumps scaled and clipped, and the guards
+    # of the other kinds (warm-up, trust region); not yet tuned on NetHack.
+    "nethack": dict(
+        model="nethack",
+        init="orthogonal",
+        total_steps=50_000_000,
+        batch_size=8,
+        unroll_length=80,
+        learning_rate=0.0002,
+        epsilon=0.000001,
+        entropy_cost=0.001,
+        grad_norm_clipping=25_600.0,
+        lr_warmup_steps=100_000,
+        pg_clip=0.4,
+        hidden_size=256,
+        reward_clipping="abs_one",
+        episodic_life=False,
+        discounting=0.999,
         reward_scale=0.1,
         precision="fp32",
         acting_precision="fp32",
@@ -260,7 +284,7 @@ def add_env_flags(parser, group=None):
     `group` (an argument group of it; default: parser too)."""
     parser.add_argument("--env", type=str, default="CartPole-v1",
                         help="Gymnasium environment id, e.g. CartPole-v1, ALE/Pong-v5, "
-                             "PongNoFrameskip-v4, MinAtar/Breakout-v1.")
+                             "PongNoFrameskip-v4, MinAtar/Breakout-v1, NetHackScore-v0.")
     group = parser if group is None else group
     group.add_argument("--env_backend", default="gymnasium", choices=["gymnasium", "envpool"],
                        help="Who steps the environments (envpool: Atari ids only).")
@@ -407,7 +431,8 @@ def _add_loss_flags(groups):
     torchbeast.add_argument("--use_lstm", action="store_true",
                             help="Add an LSTM core to the model.")
     group.add_argument("--hidden_size", type=Number(int, low=1), default=None,
-                       help="Width of the MLP's hidden layers and of the small net's fc "
+                       help="Width of the MLP's hidden layers, of the small net's fc, of "
+                            "DictNet's encoders and of the NetHack net's features "
                             f"(default: {_env_default('hidden_size')}).")
     torchbeast.add_argument("--entropy_cost", type=Number(float, low=0), default=None,
                             help=f"Entropy cost (default: {_env_default('entropy_cost')}).")

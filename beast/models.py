@@ -73,9 +73,12 @@ class ActorCritic(nn.Module):
 
     FLAGS: the flags (by name) that create_model passes to the constructor besides
     use_lstm, for a subclass that takes them (SmallConvNet, MLP: hidden_size).
+    READS_DICT: whether the net reads a Dict observation's entries itself (NetHackNet);
+    create_model gives a Dict observation DictNet unless --model names such a net.
     """
 
     FLAGS = ()
+    READS_DICT = False
 
     def __init__(self, observation_shape, num_actions, feature_size, use_lstm,
                  continuous=False):
@@ -439,9 +442,121 @@ def _entry_encoder(shape, hidden_size):
     return nn.Sequential(*layers)
 
 
+class NetHackNet(ActorCritic):
+    """The NetHack Learning Environment paper's network, for NLE's glyphs and blstats.
+
+        glyphs [21, 79] --embedding--> [E, 21, 79] --conv stack--> the whole map's features
+        glyphs of the crop x crop square centred on the agent --embedding--> convs
+        blstats [27] --signed log--> MLP
+        the three concatenated --fc hidden_size, ELU--> features (then ActorCritic's core)
+
+    Each glyph (one of nle.nethack.MAX_GLYPH: a monster, an object, a piece of the map)
+    gets a learnt vector of `embedding` numbers, and one more stands for "off the map"
+    around a crop at the edge. The crop shows what is next to the agent at full resolution
+    wherever it stands; the whole map, at about a quarter of the resolution along each side
+    after two stride-2 convolutions, where it stands on the level. The bottom-line stats run
+    from 0 or 1 (flags) to the score and the turn in the thousands, so they enter as
+    sign(b) log(1 + |b|).
+    The paper's net is wider (five convolutions over the whole map, at full resolution);
+    this one is sized to train on a laptop's CPU. blstats[0] and blstats[1] are the agent's
+    column x and row y on the map.
+
+    Args (besides ActorCritic's):
+      observation_shapes: {entry: shape}, with glyphs [H, W] and blstats [S].
+      hidden_size: int, the width of the features.
+      embedding: int, the width E of a glyph's vector.
+      crop: int, odd, the side of the square around the agent.
+    """
+
+    FLAGS = ("hidden_size",)
+    READS_DICT = True
+
+    def __init__(self, observation_shapes, num_actions, use_lstm=False, hidden_size=256,
+                 embedding=16, crop=9, continuous=False):
+        shapes = _nethack_shapes(observation_shapes)
+        super().__init__((), num_actions, hidden_size, use_lstm, continuous)
+        from nle import nethack  # here: models.py imports without nle
+
+        self.observation_shape = shapes
+        self.off_map = nethack.MAX_GLYPH  # the index after the last glyph's
+        self.crop = crop
+        self.embed = nn.Embedding(nethack.MAX_GLYPH + 1, embedding)
+        height, width = shapes["glyphs"]
+        self.map_convs = nn.Sequential(
+            nn.Conv2d(embedding, 16, kernel_size=3, stride=2, padding=1), nn.ELU(),
+            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1), nn.ELU(), nn.Flatten())
+        for _ in range(2):
+            height = _conv_output_size(height, 3, 2, padding=1)
+            width = _conv_output_size(width, 3, 2, padding=1)
+        self.crop_convs = nn.Sequential(
+            nn.Conv2d(embedding, 16, kernel_size=3, padding=1), nn.ELU(),
+            nn.Conv2d(16, 16, kernel_size=3, padding=1), nn.ELU(), nn.Flatten())
+        (stats,) = shapes["blstats"]
+        self.stats_mlp = nn.Sequential(nn.Linear(stats, 64), nn.ELU(), nn.Linear(64, 64), nn.ELU())
+        self.fc = nn.Sequential(
+            nn.Linear(32 * height * width + 16 * crop * crop + 64, hidden_size), nn.ELU())
+
+    def encode(self, inputs):
+        """Reads frame/glyphs int16 [T, B, H, W] and frame/blstats [T, B, S];
+        returns float32 [T*B, hidden_size]."""
+        glyphs = inputs[OBSERVATION_PREFIX + "glyphs"]
+        blstats = inputs[OBSERVATION_PREFIX + "blstats"]
+        for name, entry in (("glyphs", glyphs), ("blstats", blstats)):
+            if tuple(entry.shape[2:]) != self.observation_shape[name]:
+                raise ValueError(f"NetHackNet was built for {name} of shape "
+                                 f"{self.observation_shape[name]}, got {tuple(entry.shape)} "
+                                 "(expected [T, B, *shape])")
+        glyphs, blstats = glyphs.flatten(0, 1).long(), blstats.flatten(0, 1)
+        x, y = blstats[:, 0].long(), blstats[:, 1].long()
+        around = crop_around(glyphs, x, y, self.crop, self.off_map)
+        blstats = blstats.float()
+        features = torch.cat([self.map_convs(self._embedded(glyphs)),
+                              self.crop_convs(self._embedded(around)),
+                              self.stats_mlp(blstats.sign() * blstats.abs().log1p())], dim=1)
+        return self.fc(features)
+
+    def _embedded(self, glyphs):
+        """int64 [N, H, W] glyphs as float32 [N, E, H, W]."""
+        return self.embed(glyphs).permute(0, 3, 1, 2)
+
+
+def _nethack_shapes(observation_shapes):
+    """{"glyphs": (H, W), "blstats": (S,)} from the env's Dict; ValueError naming --model."""
+    shapes = observation_shapes if isinstance(observation_shapes, dict) else {}
+    shapes = {key: tuple(shape) for key, shape in shapes.items()}
+    if (len(shapes.get("glyphs", ())), len(shapes.get("blstats", ()))) != (2, 1):
+        raise ValueError(f"--model nethack needs NLE's glyphs [H, W] and blstats [S] entries "
+                         f"(--env NetHackScore-v0 and the other NetHack ids), got "
+                         f"{observation_shapes}")
+    return {key: shapes[key] for key in ("glyphs", "blstats")}
+
+
+def crop_around(glyphs, x, y, size, fill):
+    """The size x size square of `glyphs` centred on column x, row y; `fill` off the map.
+
+    Args:
+      glyphs: int64 [N, H, W].
+      x, y: int64 [N], the centre's column and row (clamped onto the map).
+      size: int, odd.
+      fill: int, the value of the squares outside the map.
+    Returns int64 [N, size, size]: out[n, i, j] = glyphs[n, y - size//2 + i, x - size//2 + j].
+    """
+    half = size // 2
+    height, width = glyphs.shape[1:]
+    padded = F.pad(glyphs, (half, half, half, half), value=fill)
+    # In the padded map the square's top-left corner is at (y, x) itself.
+    offsets = torch.arange(size, device=glyphs.device)
+    rows = (y.clamp(0, height - 1).view(-1, 1) + offsets).view(-1, size, 1)
+    columns = (x.clamp(0, width - 1).view(-1, 1) + offsets).view(-1, 1, size)
+    batch = torch.arange(len(glyphs), device=glyphs.device).view(-1, 1, 1)
+    return padded[batch, rows, columns]
+
+
 # The networks that --model names: its choices are these keys (beast/flags.py reads them).
-# A Dict observation gets DictNet whatever --model says (it names a net for one array).
-MODELS = {"atari": AtariNet, "resnet": ResNet, "small": SmallConvNet, "mlp": MLP}
+# A Dict observation gets DictNet unless --model names a net that reads Dict observations
+# (READS_DICT: nethack); the others are nets for one array.
+MODELS = {"atari": AtariNet, "resnet": ResNet, "small": SmallConvNet, "mlp": MLP,
+          "nethack": NetHackNet}
 
 
 def create_model(flags, observation_shape, num_actions, continuous=False):
@@ -455,7 +570,8 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
     Args:
       flags: argparse.Namespace (or any object with those attributes).
       observation_shape: tuple, shape of one observation, e.g. (4, 84, 84);
-        for a Dict observation a dict {entry: shape}, which gets DictNet.
+        for a Dict observation a dict {entry: shape}, which gets DictNet unless
+        flags.model names a net that reads Dict observations (READS_DICT).
       num_actions: int; with continuous, the length A of the action vector.
       continuous: a Gaussian policy for a Box action space (see ActorCritic).
 
@@ -464,7 +580,8 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
         unknown or the observations do not fit it.
     """
     if isinstance(observation_shape, dict):
-        net = DictNet
+        net = MODELS.get(flags.model)
+        net = net if getattr(net, "READS_DICT", False) else DictNet
     elif flags.model in MODELS:
         net = MODELS[flags.model]
         observation_shape = tuple(observation_shape)

@@ -57,10 +57,11 @@ STALLED_S = 60.0
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
     """What the run knows of its environment, read once from one instance before any work
-    (envs.env_info): kind ("atari", "image", "vector", "continuous"; the flag table's key),
-    observation_shape and observation_dtype (dicts of them for a Dict observation),
-    num_actions (a Box's dimension when continuous), action_low and action_high (a Box's
-    float64 [A] bounds, else None), env_fields (the rollout fields the environment writes)."""
+    (envs.env_info): kind ("atari", "image", "vector", "continuous", "nethack"; the flag
+    table's key), observation_shape and observation_dtype (dicts of them for a Dict
+    observation), num_actions (a Box's dimension when continuous), action_low and
+    action_high (a Box's float64 [A] bounds, else None), env_fields (the rollout fields the
+    environment writes)."""
 
     kind: str
     observation_shape: object
@@ -173,11 +174,15 @@ def resolve_flags_for_env(flags, resolve_flags, checkpoint):
 
 def model_problems(flags, env):
     """Whether the model of --model can be built for this environment, and whether its
-    outputs fit the rollout schema. A Dict observation always gets DictNet
-    (beast/models.py), so asking for another is refused rather than ignored."""
-    if isinstance(env.observation_shape, dict) and "model" in flags.given:
-        return [f"--model {flags.model}: {flags.env} has a Dict observation, which always gets "
-                "DictNet (beast/models.py: one encoder per entry, then the core); drop --model, "
+    outputs fit the rollout schema. A Dict observation gets DictNet unless --model names a
+    net that reads Dict observations (beast/models.py READS_DICT), so asking for a net of
+    one array is refused rather than ignored."""
+    net = models.MODELS.get(flags.model)
+    if (isinstance(env.observation_shape, dict) and "model" in flags.given
+            and not getattr(net, "READS_DICT", False)):
+        return [f"--model {flags.model}: {flags.env} has a Dict observation, which gets "
+                "DictNet (beast/models.py: one encoder per entry, then the core) or a net that "
+                "reads Dict observations (--model nethack for NetHack's); drop --model, "
                 "or edit DictNet."]
     try:
         rollout.Schema.of(env.env_fields, build_model(flags, env), env.num_actions,

@@ -137,10 +137,10 @@ def test_help_states_the_env_defaults_table(make_parser):
     if make_parser is common_parser:
         helps = rendered_help(parser)
         # Spot checks of the reader itself, against the values the issue named.
-        assert ("(default: 20 Atari, 20 other images, 80 vector, 20 continuous control)"
-                in helps["--unroll_length"])
-        assert ("0.0006 Atari, 0.01 other images, 0.005 vector, 0.0 continuous control"
-                in helps["--entropy_cost"])
+        assert ("(default: 20 Atari, 20 other images, 80 vector, 20 continuous control, "
+                "80 NetHack)" in helps["--unroll_length"])
+        assert ("0.0006 Atari, 0.01 other images, 0.005 vector, 0.0 continuous control, "
+                "0.001 NetHack" in helps["--entropy_cost"])
 
 
 def test_a_stale_hand_written_help_string_is_caught():
@@ -157,12 +157,13 @@ def test_a_stale_hand_written_help_string_is_caught():
 
 
 def test_describe_defaults():
-    table = {"atari": {"n": 4}, "image": {"n": 32}, "vector": {"n": 32}, "continuous": {"n": 16}}
+    table = {"atari": {"n": 4}, "image": {"n": 32}, "vector": {"n": 32}, "continuous": {"n": 16},
+             "nethack": {"n": 8}}
     assert beast_flags.describe_defaults(table, "n") == \
-        "4 Atari, 32 other images, 32 vector, 16 continuous control"
+        "4 Atari, 32 other images, 32 vector, 16 continuous control, 8 NetHack"
     assert beast_flags.describe_defaults({"atari": 4, "image": 32, "vector": 32,
-                                          "continuous": 16}) == \
-        "4 Atari, 32 other images, 32 vector, 16 continuous control"
+                                          "continuous": 16, "nethack": 8}) == \
+        "4 Atari, 32 other images, 32 vector, 16 continuous control, 8 NetHack"
     assert beast_flags.describe_defaults({k: 1_500_000 for k in KIND_LABELS}) == "1,500,000"
     assert beast_flags.describe_defaults({k: 5e-05 for k in KIND_LABELS}) == "5e-05"
     assert beast_flags.describe_defaults({k: True for k in KIND_LABELS}) == "on"

@@ -19,7 +19,7 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # Vector tasks: many, so that each stream amortizes its round trip (gRPC, inference) over more
 # environments; not more, since every environment in flight adds to the policy lag, which
 # slows learning (docs/defaults.md).
-ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16}
+ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16, "nethack": 8}
 # The env servers started here, by default: one per core, at most this many, hosting
 # DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
 # the extra processes only take turns, so fewer servers carry more environments each.
