@@ -12,6 +12,7 @@ See bench/README.md for what each number means.
 """
 
 import argparse
+import importlib.util
 import datetime
 import math
 import os
@@ -40,6 +41,9 @@ from bench import nullprofile  # noqa: E402
 
 SECTIONS = ("env", "learner", "inference", "bound", "e2e", "profile")
 ENV_IDS = ("ALE/Pong-v5", "CartPole-v1", null_env.ENV_ID)
+# NetHack's stepping when nle is installed (its own optional dependency).
+if importlib.util.find_spec("nle") is not None:
+    ENV_IDS += ("NetHackScore-v0",)
 NULL_MODEL_ARGS = ["--model", "mlp", "--hidden_size", "8"]
 
 
@@ -97,6 +101,9 @@ def _other_workloads():
           "repo defaults (ResNet), bf16 inference", ["--acting_precision", "bf16"]),
         W("poly-minatar-small", "polybeast", "MinAtar/Breakout-v1", "--model small",
           ["--model", "small"]),
+        # NetHack (nle): Dict observations, long episodes, NetHackNet.
+        W("mono-nethack", "monobeast", "NetHackScore-v0", "repo defaults (NetHackNet)", []),
+        W("poly-nethack", "polybeast", "NetHackScore-v0", "repo defaults (NetHackNet)", []),
         # One environment per actor / stream, as TorchBeast does, beside the defaults: what
         # stepping several environments per forward pass saves in overhead per step.
         W("mono-null-1env", "monobeast", null_env.ENV_ID, "MLP 8, one env per actor",
