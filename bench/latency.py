@@ -61,12 +61,13 @@ def measure(hosts, workdir, env, flags, rtt, port, duration_s, warmup_s):
         proxy.stdout.readline()  # "listening"
         started.append(proxy)
     run_dir = os.path.join(workdir, "runs", f"run{port}")
-    learner = hosts.popen(1, [sys.executable, "-m", "polybeast", "--env", env, "--savedir",
-                              os.path.dirname(run_dir), "--xpid", os.path.basename(run_dir),
-                              "--no_progress", "--server_addresses", ",".join(addresses),
-                              "--total_steps", str(10**12), "--log_interval_steps", "2000",
-                              *flags], cwd=REPO, env=child_env, stdout=subprocess.DEVNULL,
-                          stderr=open(os.path.join(workdir, f"learner{port}.err"), "w"))
+    with open(os.path.join(workdir, f"learner{port}.err"), "w") as err:
+        learner = hosts.popen(1, [sys.executable, "-m", "polybeast", "--env", env, "--savedir",
+                                  os.path.dirname(run_dir), "--xpid", os.path.basename(run_dir),
+                                  "--no_progress", "--server_addresses", ",".join(addresses),
+                                  "--total_steps", str(10**12), "--log_interval_steps", "2000",
+                                  *flags], cwd=REPO, env=child_env,
+                              stdout=subprocess.DEVNULL, stderr=err)
     started.append(learner)
     deadline = time.time() + 600
     while not rows(run_dir) and learner.poll() is None and time.time() < deadline:

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+from beast import machine
 from bench import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +83,8 @@ def measure(cuts, warmup_s, gap_s, window_s, learner_args, port):
 def report(events, logged, alive, returncode, err, window_s, args):
     lines = ["# PolyBeast across a link that drops", "",
              f"- command: `python -m bench.partition {' '.join(args)}`",
-             f"- CPU: {cpu_model()}, {os.cpu_count()} cores; date {time.strftime('%Y-%m-%d')}",
+             "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.describe().items())
+             + f"; date {time.strftime('%Y-%m-%d')}",
              f"- the learner was still training at the end: {'yes' if alive else 'no'}; "
              f"it exited with {returncode} on SIGTERM; steps logged: {logged[-1][1]:,}",
              f"- 'reconnected' lines: {err.count('reconnected')}; checkpoints written in a "
@@ -101,14 +103,6 @@ def report(events, logged, alive, returncode, err, window_s, args):
                      f"{'never' if moved is None else f'{moved - up:.1f} s'} | {after:,.0f} | "
                      f"{after / before:.2f} |")
     return "\n".join(lines) + "\n"
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def main(argv=None):
