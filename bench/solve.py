@@ -13,11 +13,12 @@ is what is measured, and a run that ends before the target counts as a failure.
 Pass --total_steps to run longer (e.g. 10**12 for a constant learning rate).
 
 A run longer than one sitting allows (a GPU booked for minutes at a time) goes in pieces:
-with --piece_s and a --workdir, each seed runs at most that long, then is stopped with its
-checkpoint and the command exits with 3; the same command again resumes it (the variants'
-own resume, same --xpid). Its wall time is the sum of the pieces' (each from its launch, so
-each start-up counts), and --time_limit_s bounds that sum. A seed's result, once known, is
-kept in the workdir (solve.json), so a finished seed is reported, not run again.
+with --piece_s and a --workdir, each seed runs that long (or until its run logs a first row
+of the piece, if that comes later), then is stopped with its checkpoint and the command
+exits with 3; the same command again resumes it (the variants' own resume, same --xpid).
+Its wall time is the sum of the pieces' (each from its launch, so each start-up counts),
+and --time_limit_s bounds that sum. A seed's result, once known, is kept in the workdir
+(solve.json), so a finished seed is reported, not run again.
 
   python -m bench.solve                                  # CartPole-v1, seeds 0..4
   python -m bench.solve --seeds 0,1 -- --learning_rate 0.01
@@ -80,8 +81,9 @@ def make_parser():
                         help="Where the runs write, kept afterwards (default: a temporary "
                              "directory, removed at the end).")
     parser.add_argument("--piece_s", type=float, default=None,
-                        help="Run a seed at most this many wall seconds per invocation, then "
-                             "stop it with its checkpoint and exit with 3; the same command "
+                        help="Run a seed this many wall seconds per invocation (longer if its "
+                             "run has logged no row yet in this one), then stop it with its "
+                             "checkpoint and exit with 3; the same command "
                              "continues it. Needs --workdir. (default: no pieces)")
     return parser
 
@@ -206,6 +208,7 @@ def run_seed(args, extra, seed, workdir):
     spent = sum(stop - launch for launch, stop in pieces)
     piece_s = min(args.time_limit_s - spent, args.piece_s or math.inf)
     result = SolveResult(seed=seed, pieces=len(pieces) + 1)
+    rows_before = len(complete_rows(logs_path))
     with open(os.path.join(workdir, f"seed{seed}.out"), "a") as out:
         launch_time, launch = time.time(), time.monotonic()
         running = [*pieces, [launch_time, math.inf]]
@@ -216,8 +219,8 @@ def run_seed(args, extra, seed, workdir):
             while True:
                 code = process.poll()
                 # Read after poll: rows written just before the exit still count.
-                if update(result, complete_rows(logs_path), running, args.target,
-                          args.time_limit_s):
+                rows = complete_rows(logs_path)
+                if update(result, rows, running, args.target, args.time_limit_s):
                     break
                 if code is not None:
                     result.note = (f"run ended at step {fmt(result.last_step, 0)}" if code == 0
@@ -227,7 +230,10 @@ def run_seed(args, extra, seed, workdir):
                 if spent + time.monotonic() - launch > args.time_limit_s:
                     result.note = f"time limit, at step {fmt(result.last_step, 0)}"
                     break
-                if time.monotonic() - launch > piece_s:
+                # A piece stopped before its run logs a row of its own would stop a run
+                # still starting (its checkpoint not yet written): the next piece would start
+                # afresh instead of resuming.
+                if time.monotonic() - launch > piece_s and len(rows) > rows_before:
                     result.paused = True
                     result.note = (f"paused at step {fmt(result.last_step, 0)} after "
                                    f"{spent + time.monotonic() - launch:.0f} s in "

@@ -47,15 +47,16 @@ def run_solve(*args):
 
 @pytest.mark.slow
 def test_a_run_in_pieces_resumes_and_sums_its_wall_time(tmp_path):
-    """A first piece of 3 s, start-up included, is stopped with its checkpoint (exit 3); the
-    next invocation resumes the run until the target; then the same command reports the seed
-    without running it. A mean of 400 takes CartPole about 200k steps: several times what
-    a fast machine steps in the first piece's training second or two."""
+    """A first piece of 0.5 s, shorter than any start-up, runs on until its run logs a row,
+    then is stopped with its checkpoint (exit 3); the next invocation resumes the run until
+    the target; then the same command reports the seed without running it. A mean of 400
+    takes CartPole about 200k steps: many times what a fast machine steps before its first
+    row."""
     def command(piece_s):
         return ["--seeds", "0", "--target", 400, "--time_limit_s", 240, "--piece_s", piece_s,
                 "--workdir", tmp_path, "--", "--num_actors", 2]
 
-    first = run_solve(*command(3))
+    first = run_solve(*command(0.5))
     assert first.returncode == 3, first.stdout + first.stderr
     assert "paused after" in first.stdout and "the same command continues" in first.stdout
     second = run_solve(*command(200))
