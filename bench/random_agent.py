@@ -3,13 +3,16 @@ curve is read against.
 
 The environment is the one training makes (beast.envs.create_env), so its reward and its
 episode ends are the learner's; Atari's episodes are whole games. Each episode is seeded
-(--seed, --seed + 1, ...) and so are the actions, so the same command prints the same numbers.
+(--seed, --seed + 1, ...) and so are the actions, so the same command prints the same
+numbers. Where the env says how each game ended (NLE's end_status), the count of each end
+is printed too.
 
     python -m bench.random_agent --env NetHackScore-v0 --episodes 100
     python -m bench.random_agent --env MinAtar/Breakout-v1 --episodes 30 --seed 10
 """
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -29,28 +32,34 @@ def make_parser():
     return parser
 
 
-def play(env, episodes, seed):
-    """[(return, length)] of `episodes` episodes of uniformly random actions."""
+def play(env, episodes, seed, ends=None):
+    """[(return, length)] of `episodes` episodes of uniformly random actions. ends: a Counter
+    that gains the name of each game's end where the env reports one (NLE's end_status:
+    TASK_SUCCESSFUL, DEATH, ABORTED at the step limit)."""
     env.action_space.seed(seed)
     played = []
     for episode in range(episodes):
         env.reset(seed=seed + episode)
         total, length, done = 0.0, 0, False
         while not done:
-            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+            _, reward, terminated, truncated, info = env.step(env.action_space.sample())
             total, length = total + float(reward), length + 1
             done = terminated or truncated
+        if ends is not None and "end_status" in info:
+            ends[getattr(info["end_status"], "name", str(info["end_status"]))] += 1
         played.append((total, length))
     return played
 
 
 def summary(played):
-    """One line: the mean return with its standard deviation, and the episodes' lengths."""
+    """One line: the mean return with its standard deviation and its median (a few long games
+    can carry a mean), and the episodes' lengths."""
     returns = [r for r, _ in played]
     lengths = [n for _, n in played]
     spread = statistics.stdev(returns) if len(returns) > 1 else 0.0
-    return (f"return {statistics.mean(returns):.1f} ± {spread:.1f} (min {min(returns):.1f}, "
-            f"max {max(returns):.1f}) over {len(played)} episodes; length "
+    return (f"return {statistics.mean(returns):.1f} ± {spread:.1f} (median "
+            f"{statistics.median(returns):.1f}, min {min(returns):.1f}, max {max(returns):.1f}) "
+            f"over {len(played)} episodes; length "
             f"{statistics.mean(lengths):.0f} (min {min(lengths)}, max {max(lengths)})")
 
 
@@ -63,11 +72,15 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    played = play(env, flags.episodes, flags.seed)
+    ends = collections.Counter()
+    played = play(env, flags.episodes, flags.seed, ends)
     env.close()
     steps = sum(n for _, n in played)
     print(f"{flags.env}, uniformly random actions: {summary(played)}; "
           f"{steps / (time.monotonic() - start):,.0f} steps/s")
+    if ends:
+        print("Ends of the games: " + ", ".join(f"{name} {count}"
+                                               for name, count in ends.most_common()))
     return 0
 
 

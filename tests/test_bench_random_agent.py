@@ -1,7 +1,12 @@
-"""bench.random_agent: the floor a learning curve is read against."""
+"""bench.random_agent: the floor a learning curve is read against; bench.nethack_ends: how
+games ended."""
 
+import collections
+import enum
 
-from bench import random_agent
+import gymnasium
+
+from bench import nethack_ends, random_agent
 
 
 def cartpole():
@@ -26,8 +31,42 @@ def test_the_same_seed_plays_the_same_episodes():
 
 
 def test_summary_and_exit_codes(capsys):
-    assert "return 2.0 ± 1.4" in random_agent.summary([(1.0, 1), (3.0, 3)])
+    assert "return 2.0 ± 1.4 (median 2.0, min 1.0, max 3.0)" in random_agent.summary(
+        [(1.0, 1), (3.0, 3)])
     assert random_agent.main(["--env", "CartPole-v1", "--episodes", "3"]) == 0
     assert "uniformly random actions: return" in capsys.readouterr().out
     assert random_agent.main(["--env", "Nope-v0"]) == 2
     assert "Unknown environment id" in capsys.readouterr().err
+
+
+class EndsAfterTwoSteps(gymnasium.Env):
+    """Two steps a game; odd games end in a death, even ones in the task's success."""
+    observation_space = gymnasium.spaces.Discrete(1)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        self.game, self.t = (seed or 0), 0
+        return 0, {}
+
+    def step(self, action):
+        self.t += 1
+        end = enum.Enum("StepStatus", "DEATH TASK_SUCCESSFUL")
+        status = end.DEATH if self.game % 2 else end.TASK_SUCCESSFUL
+        return 0, 1.0, self.t == 2, False, {"end_status": status} if self.t == 2 else {}
+
+
+def test_the_ends_an_env_reports_are_counted():
+    ends = collections.Counter()
+    played = random_agent.play(EndsAfterTwoSteps(), episodes=5, seed=0, ends=ends)
+    assert played == [(2.0, 2)] * 5
+    assert ends == {"TASK_SUCCESSFUL": 3, "DEATH": 2}
+
+
+def test_nethack_ends_counts_each_game_once():
+    nethack_ends.ENDS.clear()
+    env = nethack_ends.CountEnds(EndsAfterTwoSteps())
+    for game in range(4):
+        env.reset(seed=game)
+        while not env.step(0)[2]:
+            pass
+    assert nethack_ends.ENDS == {"TASK_SUCCESSFUL": 2, "DEATH": 2}
