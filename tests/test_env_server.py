@@ -878,10 +878,22 @@ class BlackHoleProxy:
                 downstream, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            upstream = self._connect_upstream()
             self.sockets += [downstream, upstream]
             for source, sink in ((downstream, upstream), (upstream, downstream)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _connect_upstream(self):
+        """A connection to the target; the server's thread may not be listening yet when the
+        client's first connection comes, so a refusal is tried again until JOIN_TIMEOUT_S."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            try:
+                return socket.create_connection(("127.0.0.1", self.target_port))
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _pump(self, source, sink):
         try:
