@@ -10,6 +10,7 @@ ABORTED at the step limit), and prints how many games ended each way.
 """
 
 import collections
+import functools
 import sys
 
 import gymnasium
@@ -17,28 +18,31 @@ import gymnasium
 import monobeast
 from beast import envs
 
-ENDS = collections.Counter()  # end_status name -> games, over every environment made here
-
-
 class CountEnds(gymnasium.Wrapper):
-    """Counts the end_status (NLE's info) of each game that ends."""
+    """Adds to `ends` (a Counter) how each game ends: NLE's end_status name where the env
+    reports one, else "terminated" or "truncated"."""
+
+    def __init__(self, env, ends):
+        super().__init__(env)
+        self.ends = ends
 
     def step(self, action):
         observation, reward, terminated, truncated, info = self.env.step(action)
         if terminated or truncated:
             status = info.get("end_status")
-            ENDS[getattr(status, "name", "truncated" if truncated else "terminated")] += 1
+            self.ends[getattr(status, "name", "truncated" if truncated else "terminated")] += 1
         return observation, reward, terminated, truncated, info
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    envs.WRAPPERS = (*envs.WRAPPERS, CountEnds)
+    ends = collections.Counter()  # over every environment the test makes
+    envs.WRAPPERS = (*envs.WRAPPERS, functools.partial(CountEnds, ends=ends))
     code = monobeast.main(["--mode", "test", *argv])
     if code == 0:
-        games = sum(ENDS.values())
+        games = sum(ends.values())
         print(f"Ends of {games} games: " + ", ".join(
-            f"{name} {count} ({count / games:.0%})" for name, count in ENDS.most_common()))
+            f"{name} {count} ({count / games:.0%})" for name, count in ends.most_common()))
     return code
 
 

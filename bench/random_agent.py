@@ -4,8 +4,8 @@ curve is read against.
 The environment is the one training makes (beast.envs.create_env), so its reward and its
 episode ends are the learner's; Atari's episodes are whole games. Each episode is seeded
 (--seed, --seed + 1, ...) and so are the actions, so the same command prints the same
-numbers. Where the env says how each game ended (NLE's end_status), the count of each end
-is printed too.
+numbers. So is how the games ended (bench.nethack_ends.CountEnds: NLE's end_status where
+the env reports one, else terminated or truncated).
 
     python -m bench.random_agent --env NetHackScore-v0 --episodes 100
     python -m bench.random_agent --env MinAtar/Breakout-v1 --episodes 30 --seed 10
@@ -19,6 +19,7 @@ import time
 
 from beast import envs
 from beast import flags as beast_flags
+from bench import nethack_ends
 
 
 def make_parser():
@@ -32,21 +33,17 @@ def make_parser():
     return parser
 
 
-def play(env, episodes, seed, ends=None):
-    """[(return, length)] of `episodes` episodes of uniformly random actions. ends: a Counter
-    that gains the name of each game's end where the env reports one (NLE's end_status:
-    TASK_SUCCESSFUL, DEATH, ABORTED at the step limit)."""
+def play(env, episodes, seed):
+    """[(return, length)] of `episodes` episodes of uniformly random actions."""
     env.action_space.seed(seed)
     played = []
     for episode in range(episodes):
         env.reset(seed=seed + episode)
         total, length, done = 0.0, 0, False
         while not done:
-            _, reward, terminated, truncated, info = env.step(env.action_space.sample())
+            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
             total, length = total + float(reward), length + 1
             done = terminated or truncated
-        if ends is not None and "end_status" in info:
-            ends[getattr(info["end_status"], "name", str(info["end_status"]))] += 1
         played.append((total, length))
     return played
 
@@ -73,14 +70,13 @@ def main(argv=None):
         return 2
     start = time.monotonic()
     ends = collections.Counter()
-    played = play(env, flags.episodes, flags.seed, ends)
+    played = play(nethack_ends.CountEnds(env, ends), flags.episodes, flags.seed)
     env.close()
     steps = sum(n for _, n in played)
     print(f"{flags.env}, uniformly random actions: {summary(played)}; "
           f"{steps / (time.monotonic() - start):,.0f} steps/s")
-    if ends:
-        print("Ends of the games: " + ", ".join(f"{name} {count}"
-                                               for name, count in ends.most_common()))
+    print("Ends of the games: " + ", ".join(f"{name} {count}"
+                                           for name, count in ends.most_common()))
     return 0
 
 
