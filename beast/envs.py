@@ -72,6 +72,11 @@ NETHACK_IDS = tuple(
 # reads (beast/models.py NetHackNet). NLE builds only these; its other entries cost a copy
 # per step each (screen_descriptions alone is 21 x 79 x 80 bytes).
 NETHACK_KEYS = ("glyphs", "blstats")
+# NLE's penalty for a step on which the game's clock stands still (a menu, a prompt, a move into
+# a wall), unless --penalty_step says otherwise: the NLE paper's released configuration. NLE
+# registers -0.01 (0 for Challenge), which against the tasks' success of 1 pays the policy to
+# die early instead of searching (docs/results.md#nethack). NetHack-v0 takes no penalty.
+NETHACK_PENALTY_STEP = -0.001
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +94,8 @@ def create_env(flags, render_mode=None):
       env_backend (str): "gymnasium", or "envpool" to step the Atari emulator in EnvPool's C++.
       repeat_action_probability (float or None): Atari sticky actions; None keeps
         the id's own value (ALE/*-v5: 0.25, *-v4: 0.0).
+      penalty_step (float or None, optional): NetHack's reward on a step where the game's
+        clock stands still; None: NETHACK_PENALTY_STEP.
     render_mode: None (training: no rendering cost), or Gymnasium's "rgb_array" for an env
       whose render() returns the screen (beast/video.py); such an env is always stepped by
       Gymnasium, as EnvPool renders no colour screen (the same game and preprocessing).
@@ -120,6 +127,10 @@ def check_backend(flags):
 def _make_env(flags, render_mode=None):
     """The environment of flags.env before WRAPPERS."""
     env_id = flags.env
+    penalty_step = getattr(flags, "penalty_step", None)
+    if penalty_step is not None and env_id.split(":")[-1] not in NETHACK_IDS:
+        raise ValueError(f"--penalty_step is NetHack's (NLE's penalty for a step on which the "
+                         f"game's clock stands still); --env {flags.env} has none: leave it out")
     if env_id.startswith("MinAtar/"):
         return _make_minatar(env_id, render_mode)
     if ":" in env_id:
@@ -136,7 +147,7 @@ def _make_env(flags, render_mode=None):
         except Exception as error:  # a syntax error, or anything its code raised
             _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
     if env_id in NETHACK_IDS:
-        return _make_nethack(env_id, render_mode)
+        return _make_nethack(env_id, penalty_step, render_mode)
     if env_id not in gymnasium.registry:
         raise ValueError(_unknown_env_message(env_id))
     if atari_wrappers.atari_spec_kwargs(env_id) is not None:
@@ -637,18 +648,24 @@ def _make_minatar(env_id, render_mode=None):
                                         **_render_kwargs(render_mode)))
 
 
-def _make_nethack(env_id, render_mode=None):
+def _make_nethack(env_id, penalty_step=None, render_mode=None):
     try:
         import nle  # noqa: F401 (importing it registers the NetHack ids)
     except ImportError as error:
         raise ValueError(f"Environment {env_id!r} needs the NetHack Learning Environment: "
                          "pip install --no-deps nle (as scripts/setup.sh does: nle pins an "
                          "older gymnasium, and runs on the one installed)") from error
+    task = {}
+    if env_id != "NetHack-v0":
+        task["penalty_step"] = NETHACK_PENALTY_STEP if penalty_step is None else penalty_step
+    elif penalty_step is not None:
+        raise ValueError("--penalty_step: NetHack-v0 is NLE's base game, rewarded by its score "
+                         "with no penalty; leave it out, or use NetHackScore-v0")
     # fix_moon_phase: the moon's phase and Friday the 13th, which change the game's luck,
     # follow the seed instead of the date, so that a seeded game is the same on any day.
     return NetHackEnv(gymnasium.make(env_id, observation_keys=NETHACK_KEYS,
                                        fix_moon_phase=True, disable_env_checker=True,
-                                       **_render_kwargs(render_mode)))
+                                       **task, **_render_kwargs(render_mode)))
 
 
 class NetHackEnv(gymnasium.Wrapper):

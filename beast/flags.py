@@ -295,6 +295,10 @@ def add_env_flags(parser, group=None):
                        help="Atari sticky actions: the probability that the emulator repeats the "
                             "previous action instead of the chosen one (default: the id's own "
                             "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
+    group.add_argument("--penalty_step", type=Number(float, None, 0), default=None,
+                       help="NetHack: the reward of a step on which the game's clock stands "
+                            "still (a menu, a prompt, a move into a wall), NLE's penalty_step "
+                            "(default: -0.001, the NLE paper's; NLE registers -0.01).")
     return parser
 
 

@@ -95,6 +95,25 @@ def test_a_seed_replays_the_same_games():
     assert not np.array_equal(first[0], other[0])
 
 
+@pytest.mark.parametrize("typed,expected", [(None, envs.NETHACK_PENALTY_STEP), (-0.25, -0.25)])
+def test_a_step_that_leaves_the_clock_still_costs_the_penalty(typed, expected):
+    """Action 0 (MORE, with no message to page) takes no game time: its reward is the penalty,
+    the paper's -0.001 by default instead of NLE's registered -0.01, or --penalty_step's."""
+    env = envs.create_env(flag_helpers.make_flags(env="NetHackStaircase-v0", penalty_step=typed))
+    try:
+        env.reset(seed=1)
+        rewards = [env.step(0)[1] for _ in range(5)]
+    finally:
+        env.close()
+    assert rewards == pytest.approx([expected] * 5)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "NetHack-v0"])
+def test_a_penalty_step_for_an_env_without_one_is_refused(env_id):
+    with pytest.raises(ValueError, match="--penalty_step"):
+        envs.create_env(flag_helpers.make_flags(env=env_id, penalty_step=-0.1))
+
+
 # ----------------------------------------------------------------------------------------------
 # The model.
 
