@@ -62,6 +62,8 @@ class AtariPreprocessing(gymnasium.Wrapper):
     apply all the same.
     """
 
+    ENV_KIND = "atari"  # beast/envs.py env_kind: the kind whose defaults a run takes
+
     def __init__(self, env, noop_max=30, frame_skip=4, frame_stack=4, screen_size=84,
                  episodic_life=False, fire_reset=True):
         super().__init__(env)

@@ -65,6 +65,8 @@ class EnvPoolSingle(gymnasium.Env):
     """One EnvPool env (num_envs=1) as a plain Gymnasium env, so that RolloutAdapter can drive
     it."""
 
+    ENV_KIND = "atari"  # beast/envs.py env_kind: the kind whose defaults a run takes
+
     def __init__(self, pool):
         self.pool = pool
         self.observation_space = pool.observation_space

@@ -16,10 +16,11 @@ Which ids `create_env` accepts:
     DeepMind-style preprocessing (beast/atari_wrappers.py: no-op starts, frame skip 4 with
     max-pooling, 84x84 grayscale, 4-frame stack, FIRE on reset, optional end-of-life episodes);
     with --env_backend envpool, EnvPool's C++ does the same (beast/envpool_backend.py).
-  * MinAtar: `MinAtar/<Game>-v0|v1` (pip install minatar), channels-first float32 frames.
+  * MinAtar: `MinAtar/<Game>-v0|v1` (pip install minatar), channels-first float32 frames
+    (beast/minatar_env.py).
   * NetHack: the NetHack Learning Environment's ids (the nle package), `NetHackScore-v0`,
     `NetHackChallenge-v0` and the task suite (NETHACK_IDS), as a Dict of the entries that
-    --model nethack reads (NETHACK_KEYS), its games seeded from the first reset's seed.
+    --model nethack reads, its games seeded from the first reset's seed (beast/nethack_env.py).
   * Any other id in Gymnasium's registry (CartPole-v1, LunarLander-v3, ...), also
     `some.module:EnvId-v0`, which imports `some.module` first so that it can register its ids
     (the benchmarks' null environment is `bench.null_env:Null-v0`).
@@ -29,8 +30,8 @@ Which ids `create_env` accepts:
   * Environments written for the old gym API (reset() -> obs; step() -> (obs, reward, done, info))
     are detected and wrapped in `LegacyGymAPI` (see `create_env`).
 
-Only numpy, gymnasium and the optional environment packages (minatar, nle) are imported, besides the
-Atari and EnvPool modules beside this one.
+Only numpy and gymnasium are imported; each family's module beside this one (Atari, EnvPool,
+MinAtar, NetHack) and its package are imported when a run makes one of its environments.
 """
 
 import difflib
@@ -41,8 +42,6 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from beast import atari_wrappers
-from beast import envpool_backend
 from beast import rollout
 
 # Wrappers put around every environment that create_env makes (the first one innermost), for
@@ -68,15 +67,6 @@ NETHACK_IDS = tuple(
     for task in ("Score", "Challenge", "Staircase", "StaircasePet", "Oracle", "Gold", "Eat",
                  "Scout", "")
 )
-# The entries of NLE's observation that NetHack environments return: what --model nethack
-# reads (beast/models.py NetHackNet). NLE builds only these; its other entries cost a copy
-# per step each (screen_descriptions alone is 21 x 79 x 80 bytes).
-NETHACK_KEYS = ("glyphs", "blstats")
-# NLE's penalty for a step on which the game's clock stands still (a menu, a prompt, a move into
-# a wall), unless --penalty_step says otherwise: the NLE paper's released configuration. NLE
-# registers -0.01 (0 for Challenge), which against the tasks' success of 1 pays the policy to
-# die early instead of searching (docs/results.md#nethack). NetHack-v0 takes no penalty.
-NETHACK_PENALTY_STEP = -0.001
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +94,8 @@ def create_env(flags, render_mode=None):
     """
     check_backend(flags)
     if flags.env_backend == "envpool" and render_mode is None:
+        from beast import envpool_backend  # EnvPool loads only for the runs that ask for it
+
         return envpool_backend.EnvPoolSingle(envpool_backend.create_envpool(flags, num_envs=1))
     env = _make_env(flags, render_mode)
     for wrapper in WRAPPERS:
@@ -132,7 +124,9 @@ def _make_env(flags, render_mode=None):
         raise ValueError(f"--penalty_step is NetHack's (NLE's penalty for a step on which the "
                          f"game's clock stands still); --env {flags.env} has none: leave it out")
     if env_id.startswith("MinAtar/"):
-        return _make_minatar(env_id, render_mode)
+        from beast import minatar_env  # each family's module loads only for its own runs
+
+        return minatar_env.make_minatar(env_id, **_render_kwargs(render_mode))
     if ":" in env_id:
         # Gymnasium's convention: "package.module:EnvId" imports the module, which registers its
         # ids.
@@ -147,11 +141,16 @@ def _make_env(flags, render_mode=None):
         except Exception as error:  # a syntax error, or anything its code raised
             _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
     if env_id in NETHACK_IDS:
-        return _make_nethack(env_id, penalty_step, render_mode)
-    if env_id not in gymnasium.registry:
+        from beast import nethack_env
+
+        return nethack_env.make_nethack(env_id, penalty_step, **_render_kwargs(render_mode))
+    if not _registered(env_id):
         raise ValueError(_unknown_env_message(env_id))
-    if atari_wrappers.atari_spec_kwargs(env_id) is not None:
-        return atari_wrappers.make_atari(env_id, flags, render_mode)
+    if "ale_py" in str(gymnasium.spec(env_id).entry_point):
+        from beast import atari_wrappers
+
+        if atari_wrappers.atari_spec_kwargs(env_id) is not None:  # RAM ids are vectors
+            return atari_wrappers.make_atari(env_id, flags, render_mode)
     try:
         return _make_registered(env_id, render_mode)
     except Exception as error:  # the environment's own constructor, or its entry point's module
@@ -159,6 +158,17 @@ def _make_env(flags, render_mode=None):
         if not isinstance(entry_point, str):  # a class or function: module:name
             entry_point = f"{entry_point.__module__}:{entry_point.__qualname__}"
         _raise_from_env_code(flags.env, f"creating {env_id!r} (entry point {entry_point})", error)
+
+
+def _registered(env_id):
+    """Whether env_id is in Gymnasium's registry, ALE's ids included: importing
+    beast/atari_wrappers.py registers them, and it is imported only for an id not found first."""
+    if env_id not in gymnasium.registry:
+        try:
+            from beast import atari_wrappers  # noqa: F401 (registers ALE's ids)
+        except ImportError:  # no ale_py: the ids are not there to find
+            pass
+    return env_id in gymnasium.registry
 
 
 def _unknown_env_message(env_id):
@@ -201,10 +211,10 @@ def env_kind(env):
     image env with a Box action space gets the image defaults and a Gaussian policy."""
     layer = env
     while layer is not None:
-        if isinstance(layer, (atari_wrappers.AtariPreprocessing, envpool_backend.EnvPoolSingle)):
-            return "atari"
-        if isinstance(layer, NetHackEnv):
-            return "nethack"
+        # AtariPreprocessing, EnvPoolSingle and NetHackEnv name their kind.
+        kind = getattr(type(layer), "ENV_KIND", None)
+        if kind is not None:
+            return kind
         layer = getattr(layer, "env", None)
     if _has_image(env.observation_space):
         return "image"
@@ -444,8 +454,7 @@ class RolloutAdapter:
 
 
 # ---------------------------------------------------------------------------------------------
-# How _make_env makes the environments that are not Atari: the old gym API, observation
-# casts, MinAtar, NetHack.
+# How _make_env makes the other registered environments: the old gym API, observation casts.
 
 
 def _as_gymnasium_space(space):
@@ -516,18 +525,6 @@ class Float32Observation(gymnasium.ObservationWrapper):
         if self._one_hot:
             return self._eye[int(observation)].copy()  # a row of _eye would be a view into it
         return np.asarray(observation, dtype=np.float32)
-
-
-class ChannelsFirst(gymnasium.ObservationWrapper):
-    """[H, W, C] observations (MinAtar's bool planes) -> float32 [C, H, W]."""
-
-    def __init__(self, env):
-        super().__init__(env)
-        height, width, channels = env.observation_space.shape
-        self.observation_space = spaces.Box(0.0, 1.0, (channels, height, width), dtype=np.float32)
-
-    def observation(self, observation):
-        return np.array(observation.transpose(2, 0, 1), dtype=np.float32, order="C")
 
 
 def _has_image(space):
@@ -631,71 +628,3 @@ def _make_registered(env_id, render_mode=None):
     elif isinstance(space, spaces.Dict) and any(map(_wants_float32, space.spaces.values())):
         env = Float32DictEntries(env)
     return env
-
-
-def _make_minatar(env_id, render_mode=None):
-    try:
-        import minatar.gym
-    except ImportError as error:
-        raise ValueError(f"Environment {env_id!r} needs the MinAtar package: "
-                         "pip install minatar") from error
-    if env_id not in gymnasium.registry:
-        minatar.gym.register_envs()
-    if env_id not in gymnasium.registry:
-        raise ValueError(f"Unknown MinAtar id {env_id!r}; MinAtar ids are: "
-                         f"{', '.join(MINATAR_IDS)}")
-    return ChannelsFirst(gymnasium.make(env_id, disable_env_checker=True,
-                                        **_render_kwargs(render_mode)))
-
-
-def _make_nethack(env_id, penalty_step=None, render_mode=None):
-    try:
-        import nle  # noqa: F401 (importing it registers the NetHack ids)
-    except ImportError as error:
-        raise ValueError(f"Environment {env_id!r} needs the NetHack Learning Environment: "
-                         "pip install --no-deps nle (as scripts/setup.sh does: nle pins an "
-                         "older gymnasium, and runs on the one installed)") from error
-    task = {}
-    if env_id != "NetHack-v0":
-        task["penalty_step"] = NETHACK_PENALTY_STEP if penalty_step is None else penalty_step
-    elif penalty_step is not None:
-        raise ValueError("--penalty_step: NetHack-v0 is NLE's base game, rewarded by its score "
-                         "with no penalty; leave it out, or use NetHackScore-v0")
-    # fix_moon_phase: the moon's phase and Friday the 13th, which change the game's luck,
-    # follow the seed instead of the date, so that a seeded game is the same on any day.
-    return NetHackEnv(gymnasium.make(env_id, observation_keys=NETHACK_KEYS,
-                                       fix_moon_phase=True, disable_env_checker=True,
-                                       **task, **_render_kwargs(render_mode)))
-
-
-class NetHackEnv(gymnasium.Wrapper):
-    """What an NLE environment needs to keep the promises of create_env's environments.
-
-    Fresh arrays: NLE writes every step's observation into the same arrays, which a caller
-    may still hold; each step's are copied (a few kB).
-    Seeds: Gymnasium's reset(seed=...) does not reach NetHack's own random generators. The
-    first reset's seed starts a generator that draws the seeds (core and disp) of every game
-    after it, NetHack's reseeding from true randomness turned off, so that a seeded
-    environment plays the same games again; without a seed, NLE draws its own.
-    """
-
-    def __init__(self, env):
-        super().__init__(env)
-        self._game_seeds = None
-
-    def reset(self, *, seed=None, options=None):
-        if seed is not None:
-            self._game_seeds = np.random.default_rng(seed)
-        if self._game_seeds is not None:
-            core, disp = (int(s) for s in self._game_seeds.integers(2**63 - 1, size=2))
-            self.env.unwrapped.seed(core, disp, reseed=False)
-        observation, info = self.env.reset(seed=seed, options=options)
-        return _copied(observation), info
-
-    def step(self, action):
-        observation, *rest = self.env.step(action)
-        return (_copied(observation), *rest)
-
-
-def _copied(observation):
-    return {key: value.copy() for key, value in observation.items()}

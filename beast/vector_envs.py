@@ -23,7 +23,6 @@ import traceback
 
 import numpy as np
 
-from beast import envpool_backend
 from beast import envs
 
 
@@ -43,6 +42,8 @@ def create_vector_env(flags, num_envs, seed, on_error=None, name="actor"):
         raise ValueError(f"a vector env needs at least one environment (got {num_envs})")
     envs.check_backend(flags)
     if flags.env_backend == "envpool":
+        from beast import envpool_backend  # EnvPool loads only for the runs that ask for it
+
         return envpool_backend.EnvPoolVectorEnv(flags, num_envs, seed)
     return GymnasiumVectorEnv(flags, num_envs, seed, on_error, name)
 

@@ -18,7 +18,7 @@ import torch
 
 import flag_helpers
 import monobeast
-from beast import distributed, envs, models, runlog
+from beast import distributed, envs, models, nethack_env, runlog
 from bench import netns
 
 nle = pytest.importorskip("nle", reason="the NetHack tests need nle: pip install --no-deps nle")
@@ -95,7 +95,8 @@ def test_a_seed_replays_the_same_games():
     assert not np.array_equal(first[0], other[0])
 
 
-@pytest.mark.parametrize("typed,expected", [(None, envs.NETHACK_PENALTY_STEP), (-0.25, -0.25)])
+@pytest.mark.parametrize("typed,expected",
+                         [(None, nethack_env.NETHACK_PENALTY_STEP), (-0.25, -0.25)])
 def test_a_step_that_leaves_the_clock_still_costs_the_penalty(typed, expected):
     """Action 0 (MORE, with no message to page) takes no game time: its reward is the penalty,
     the paper's -0.001 by default instead of NLE's registered -0.01, or --penalty_step's."""
@@ -166,8 +167,8 @@ def test_the_net_crops_around_the_agent_of_a_real_game(monkeypatch):
 
     crop_around = models.crop_around
     monkeypatch.setattr(models, "crop_around", recording)
-    env = envs.NetHackEnv(gymnasium.make(ENV, observation_keys=("glyphs", "blstats", "chars"),
-                                           disable_env_checker=True))
+    env = nethack_env.NetHackEnv(gymnasium.make(
+        ENV, observation_keys=("glyphs", "blstats", "chars"), disable_env_checker=True))
     net = nethack_net()
     checked = 0
     try:

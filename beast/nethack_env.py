@@ -1,0 +1,81 @@
+"""NetHack, the NetHack Learning Environment's games (the nle package), as create_env makes them.
+
+    action (int, one of the task's 23 keys) -> NetHackEnv.step -> NLE -> dict(glyphs [21, 79]
+        int16, blstats [27] int64), fresh arrays
+
+beast/envs.py `create_env` calls `make_nethack` for the ids in envs.NETHACK_IDS. NLE builds
+only the entries that --model nethack reads (NETHACK_KEYS), and every game follows the first
+reset's seed (NetHackEnv).
+
+Only numpy, gymnasium and nle (on first use) are imported.
+"""
+
+import gymnasium
+import numpy as np
+
+# The entries of NLE's observation that NetHack environments return: what --model nethack
+# reads (beast/models.py NetHackNet). NLE builds only these; its other entries cost a copy
+# per step each (screen_descriptions alone is 21 x 79 x 80 bytes).
+NETHACK_KEYS = ("glyphs", "blstats")
+# NLE's penalty for a step on which the game's clock stands still (a menu, a prompt, a move into
+# a wall), unless --penalty_step says otherwise: the NLE paper's released configuration. NLE
+# registers -0.01 (0 for Challenge), which against the tasks' success of 1 pays the policy to
+# die early instead of searching (docs/results.md#nethack). NetHack-v0 takes no penalty.
+NETHACK_PENALTY_STEP = -0.001
+
+
+def make_nethack(env_id, penalty_step=None, **make_kwargs):
+    """NetHackEnv over gymnasium.make(env_id) of an NLE id; make_kwargs (render_mode) go to
+    gymnasium.make. Raises ValueError without nle, or for a penalty NetHack-v0 cannot take."""
+    try:
+        import nle  # noqa: F401 (importing it registers the NetHack ids)
+    except ImportError as error:
+        raise ValueError(f"Environment {env_id!r} needs the NetHack Learning Environment: "
+                         "pip install --no-deps nle (as scripts/setup.sh does: nle pins an "
+                         "older gymnasium, and runs on the one installed)") from error
+    task = {}
+    if env_id != "NetHack-v0":
+        task["penalty_step"] = NETHACK_PENALTY_STEP if penalty_step is None else penalty_step
+    elif penalty_step is not None:
+        raise ValueError("--penalty_step: NetHack-v0 is NLE's base game, rewarded by its score "
+                         "with no penalty; leave it out, or use NetHackScore-v0")
+    # fix_moon_phase: the moon's phase and Friday the 13th, which change the game's luck,
+    # follow the seed instead of the date, so that a seeded game is the same on any day.
+    return NetHackEnv(gymnasium.make(env_id, observation_keys=NETHACK_KEYS,
+                                       fix_moon_phase=True, disable_env_checker=True,
+                                       **task, **make_kwargs))
+
+
+class NetHackEnv(gymnasium.Wrapper):
+    """What an NLE environment needs to keep the promises of create_env's environments.
+
+    Fresh arrays: NLE writes every step's observation into the same arrays, which a caller
+    may still hold; each step's are copied (a few kB).
+    Seeds: Gymnasium's reset(seed=...) does not reach NetHack's own random generators. The
+    first reset's seed starts a generator that draws the seeds (core and disp) of every game
+    after it, NetHack's reseeding from true randomness turned off, so that a seeded
+    environment plays the same games again; without a seed, NLE draws its own.
+    """
+
+    ENV_KIND = "nethack"  # beast/envs.py env_kind: the kind whose defaults a run takes
+
+    def __init__(self, env):
+        super().__init__(env)
+        self._game_seeds = None
+
+    def reset(self, *, seed=None, options=None):
+        if seed is not None:
+            self._game_seeds = np.random.default_rng(seed)
+        if self._game_seeds is not None:
+            core, disp = (int(s) for s in self._game_seeds.integers(2**63 - 1, size=2))
+            self.env.unwrapped.seed(core, disp, reseed=False)
+        observation, info = self.env.reset(seed=seed, options=options)
+        return _copied(observation), info
+
+    def step(self, action):
+        observation, *rest = self.env.step(action)
+        return (_copied(observation), *rest)
+
+
+def _copied(observation):
+    return {key: value.copy() for key, value in observation.items()}
