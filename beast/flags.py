@@ -298,7 +298,9 @@ def add_env_flags(parser, group=None):
     group.add_argument("--penalty_step", type=Number(float, None, 0), default=None,
                        help="NetHack: the reward of a step on which the game's clock stands "
                             "still (a menu, a prompt, a move into a wall), NLE's penalty_step "
-                            "(default: -0.001, the NLE paper's; NLE registers -0.01).")
+                            "(default: the NLE paper's: -0.001, and -0.00001 on the tasks that "
+                            "pay 1 for a success, Staircase, StaircasePet and Oracle; NLE "
+                            "registers -0.01).")
     return parser
 
 

@@ -18,10 +18,20 @@ import numpy as np
 # per step each (screen_descriptions alone is 21 x 79 x 80 bytes).
 NETHACK_KEYS = ("glyphs", "blstats")
 # NLE's penalty for a step on which the game's clock stands still (a menu, a prompt, a move into
-# a wall), unless --penalty_step says otherwise: the NLE paper's released configuration. NLE
-# registers -0.01 (0 for Challenge), which against the tasks' success of 1 pays the policy to
-# die early instead of searching (docs/results.md#nethack). NetHack-v0 takes no penalty.
+# a wall), unless --penalty_step says otherwise: the NLE paper's released configuration, -0.001
+# a still step beside a success worth 100. NLE now pays 1 for a success, so the tasks that end
+# there keep the paper's ratio at -0.001 / 100; the others are paid in score, gold, food or
+# squares seen, as in the paper. NLE registers -0.01 (0 for Challenge): on Staircase random
+# actions spend about 1,100 still steps a game, so any penalty near that size pays a policy
+# more to die at once than to search (docs/results.md#nethack). NetHack-v0 takes none.
 NETHACK_PENALTY_STEP = -0.001
+SUCCESS_TASKS = ("NetHackStaircase-v0", "NetHackStaircasePet-v0", "NetHackOracle-v0")
+SUCCESS_PENALTY_STEP = NETHACK_PENALTY_STEP / 100
+
+
+def default_penalty_step(env_id):
+    """The penalty a still step of env_id (not NetHack-v0) costs unless --penalty_step is given."""
+    return SUCCESS_PENALTY_STEP if env_id in SUCCESS_TASKS else NETHACK_PENALTY_STEP
 
 
 def make_nethack(env_id, penalty_step=None, **make_kwargs):
@@ -35,7 +45,8 @@ def make_nethack(env_id, penalty_step=None, **make_kwargs):
                          "older gymnasium, and runs on the one installed)") from error
     task = {}
     if env_id != "NetHack-v0":
-        task["penalty_step"] = NETHACK_PENALTY_STEP if penalty_step is None else penalty_step
+        task["penalty_step"] = penalty_step if penalty_step is not None else (
+            default_penalty_step(env_id))
     elif penalty_step is not None:
         raise ValueError("--penalty_step: NetHack-v0 is NLE's base game, rewarded by its score "
                          "with no penalty; leave it out, or use NetHackScore-v0")

@@ -95,12 +95,14 @@ def test_a_seed_replays_the_same_games():
     assert not np.array_equal(first[0], other[0])
 
 
-@pytest.mark.parametrize("typed,expected",
-                         [(None, nethack_env.NETHACK_PENALTY_STEP), (-0.25, -0.25)])
-def test_a_step_that_leaves_the_clock_still_costs_the_penalty(typed, expected):
+@pytest.mark.parametrize("env_id,typed,expected", [
+    ("NetHackScore-v0", None, -0.001), ("NetHackGold-v0", None, -0.001),
+    ("NetHackStaircase-v0", None, -0.00001), ("NetHackStaircase-v0", -0.25, -0.25)])
+def test_a_step_that_leaves_the_clock_still_costs_the_penalty(env_id, typed, expected):
     """Action 0 (MORE, with no message to page) takes no game time: its reward is the penalty,
-    the paper's -0.001 by default instead of NLE's registered -0.01, or --penalty_step's."""
-    env = envs.create_env(flag_helpers.make_flags(env="NetHackStaircase-v0", penalty_step=typed))
+    by default the paper's (-0.001, beside a success of 100 on the tasks that end there, which
+    NLE now pays 1) instead of NLE's registered -0.01, or --penalty_step's."""
+    env = envs.create_env(flag_helpers.make_flags(env=env_id, penalty_step=typed))
     try:
         env.reset(seed=1)
         rewards = [env.step(0)[1] for _ in range(5)]
