@@ -26,6 +26,9 @@ gymnasium.register_envs(ale_py)
 # ALE's cap on an episode: 108000 frames (30 minutes of play), i.e. 27000 agent steps at frame
 # skip 4.
 MAX_FRAMES_PER_EPISODE = 108_000
+# No-op starts: up to this many frames of NOOP at the start of a game (DeepMind's preprocessing),
+# so that a fixed sequence of actions does not replay one game; --noop_max changes it.
+NOOP_MAX = 30
 
 
 def resize_screen(screen, size):
@@ -64,7 +67,7 @@ class AtariPreprocessing(gymnasium.Wrapper):
 
     ENV_KIND = "atari"  # beast/envs.py env_kind: the kind whose defaults a run takes
 
-    def __init__(self, env, noop_max=30, frame_skip=4, frame_stack=4, screen_size=84,
+    def __init__(self, env, noop_max=NOOP_MAX, frame_skip=4, frame_stack=4, screen_size=84,
                  episodic_life=False, fire_reset=True):
         super().__init__(env)
         atari = env.unwrapped
@@ -206,9 +209,22 @@ def sticky_action_probability(flags, spec_kwargs):
     return spec_kwargs.get("repeat_action_probability", 0.25) if value is None else value
 
 
+def full_action_space(flags, spec_kwargs):
+    """--full_action_space, or the id's own action set (the game's minimal one) when None."""
+    value = getattr(flags, "full_action_space", None)
+    return bool(spec_kwargs.get("full_action_space", False) if value is None else value)
+
+
+def noop_max(flags):
+    """--noop_max, or 30 no-op frames at most when None."""
+    value = getattr(flags, "noop_max", None)
+    return NOOP_MAX if value is None else value
+
+
 def make_atari(env_id, flags, render_mode=None):
     """The emulator of an ALE screen id (frameskip 1, the id's game, mode and action set) in
-    AtariPreprocessing, with flags.repeat_action_probability and flags.episodic_life."""
+    AtariPreprocessing, with flags.repeat_action_probability, full_action_space, noop_max and
+    episodic_life."""
     kwargs = atari_spec_kwargs(env_id)
     atari = ale_py.AtariEnv(
         game=kwargs["game"],
@@ -217,8 +233,9 @@ def make_atari(env_id, flags, render_mode=None):
         obs_type="grayscale",
         frameskip=1,
         repeat_action_probability=sticky_action_probability(flags, kwargs),
-        full_action_space=kwargs.get("full_action_space", False),
+        full_action_space=full_action_space(flags, kwargs),
         max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", MAX_FRAMES_PER_EPISODE),
         render_mode=render_mode,  # "rgb_array": the colour screen, whatever obs_type is
     )
-    return AtariPreprocessing(atari, episodic_life=bool(flags.episodic_life))
+    return AtariPreprocessing(atari, noop_max=noop_max(flags),
+                              episodic_life=bool(flags.episodic_life))

@@ -34,8 +34,8 @@ def _import_envpool():
 def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
     """EnvPool's own batched Atari env (Gymnasium API, leading dim = batch), preprocessed as ours.
 
-    Gray 84x84, 4-frame stack, frame skip 4, up to 30 no-op starts, FIRE on reset, no reward
-    clipping, flags.episodic_life, the id's sticky-action probability, 27000 steps per episode.
+    Gray 84x84, 4-frame stack, frame skip 4, FIRE on reset, no reward clipping, 27000 steps per
+    episode, and flags' episodic_life, noop_max, action set and sticky-action probability.
     Seeded with `seed` (default flags.seed) at creation; EnvPool cannot be reseeded by reset.
     num_threads: EnvPool's C++ threads; 1 by default, because each of our actors (or server
     streams) already gets a core of its own. Its info holds
@@ -55,7 +55,8 @@ def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
         seed=(flags.seed if seed is None else int(seed)) % 2**31,
         episodic_life=bool(flags.episodic_life),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
-        noop_max=30, use_fire_reset=True,
+        noop_max=atari_wrappers.noop_max(flags), use_fire_reset=True,
+        full_action_space=atari_wrappers.full_action_space(flags, kwargs),
         repeat_action_probability=atari_wrappers.sticky_action_probability(flags, kwargs),
         max_episode_steps=atari_wrappers.MAX_FRAMES_PER_EPISODE // 4,
     )

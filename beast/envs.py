@@ -84,8 +84,12 @@ def create_env(flags, render_mode=None):
       env_backend (str): "gymnasium", or "envpool" to step the Atari emulator in EnvPool's C++.
       repeat_action_probability (float or None): Atari sticky actions; None keeps
         the id's own value (ALE/*-v5: 0.25, *-v4: 0.0).
+      full_action_space (bool or None, optional): Atari: all 18 joystick actions; None keeps
+        the id's own set (the game's minimal one).
+      noop_max (int or None, optional): Atari: at most this many no-op frames at the start
+        of a game (0: none); None: 30.
       penalty_step (float or None, optional): NetHack's reward on a step where the game's
-        clock stands still; None: NETHACK_PENALTY_STEP.
+        clock stands still; None: beast/nethack_env.py default_penalty_step.
     render_mode: None (training: no rendering cost), or Gymnasium's "rgb_array" for an env
       whose render() returns the screen (beast/video.py); such an env is always stepped by
       Gymnasium, as EnvPool renders no colour screen (the same game and preprocessing).
@@ -119,38 +123,25 @@ def check_backend(flags):
 def _make_env(flags, render_mode=None):
     """The environment of flags.env before WRAPPERS."""
     env_id = flags.env
-    penalty_step = getattr(flags, "penalty_step", None)
-    if penalty_step is not None and env_id.split(":")[-1] not in NETHACK_IDS:
-        raise ValueError(f"--penalty_step is NetHack's (NLE's penalty for a step on which the "
-                         f"game's clock stands still); --env {flags.env} has none: leave it out")
-    if env_id.startswith("MinAtar/"):
-        from beast import minatar_env  # each family's module loads only for its own runs
-
-        return minatar_env.make_minatar(env_id, **_render_kwargs(render_mode))
     if ":" in env_id:
-        # Gymnasium's convention: "package.module:EnvId" imports the module, which registers its
-        # ids.
-        module, env_id = env_id.split(":", 1)
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name is None or not (module + ".").startswith(error.name + "."):
-                _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
-            raise ValueError(f"Cannot import {module!r} for environment {env_id!r}: "
-                             f"{error}") from error
-        except Exception as error:  # a syntax error, or anything its code raised
-            _raise_from_env_code(flags.env, f"importing the module {module!r}", error)
-    if env_id in NETHACK_IDS:
+        env_id = _import_env_module(env_id)
+    family = _family(env_id)
+    _refuse_flags_of_other_families(flags, family)
+    make_kwargs = _render_kwargs(render_mode)
+    # Each family's module loads only for its own runs.
+    if family == "minatar":
+        from beast import minatar_env
+
+        return minatar_env.make_minatar(env_id, **make_kwargs)
+    if family == "nethack":
         from beast import nethack_env
 
-        return nethack_env.make_nethack(env_id, penalty_step, **_render_kwargs(render_mode))
-    if not _registered(env_id):
-        raise ValueError(_unknown_env_message(env_id))
-    if "ale_py" in str(gymnasium.spec(env_id).entry_point):
+        return nethack_env.make_nethack(env_id, getattr(flags, "penalty_step", None),
+                                        **make_kwargs)
+    if family == "atari":
         from beast import atari_wrappers
 
-        if atari_wrappers.atari_spec_kwargs(env_id) is not None:  # RAM ids are vectors
-            return atari_wrappers.make_atari(env_id, flags, render_mode)
+        return atari_wrappers.make_atari(env_id, flags, render_mode)
     try:
         return _make_registered(env_id, render_mode)
     except Exception as error:  # the environment's own constructor, or its entry point's module
@@ -158,6 +149,54 @@ def _make_env(flags, render_mode=None):
         if not isinstance(entry_point, str):  # a class or function: module:name
             entry_point = f"{entry_point.__module__}:{entry_point.__qualname__}"
         _raise_from_env_code(flags.env, f"creating {env_id!r} (entry point {entry_point})", error)
+
+
+def _import_env_module(env_flag):
+    """Gymnasium's convention: "package.module:EnvId" imports the module, which registers its
+    ids. Returns EnvId."""
+    module, env_id = env_flag.split(":", 1)
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module + ".").startswith(error.name + "."):
+            _raise_from_env_code(env_flag, f"importing the module {module!r}", error)
+        raise ValueError(f"Cannot import {module!r} for environment {env_id!r}: "
+                         f"{error}") from error
+    except Exception as error:  # a syntax error, or anything its code raised
+        _raise_from_env_code(env_flag, f"importing the module {module!r}", error)
+    return env_id
+
+
+def _family(env_id):
+    """"minatar", "nethack", "atari" (an ALE screen id) or "gymnasium" (any other registered
+    id); ValueError for an id nobody registers."""
+    if env_id.startswith("MinAtar/"):
+        return "minatar"
+    if env_id in NETHACK_IDS:
+        return "nethack"
+    if not _registered(env_id):
+        raise ValueError(_unknown_env_message(env_id))
+    if "ale_py" in str(gymnasium.spec(env_id).entry_point):
+        from beast import atari_wrappers
+
+        if atari_wrappers.atari_spec_kwargs(env_id) is not None:  # RAM ids are vectors
+            return "atari"
+    return "gymnasium"
+
+
+# The environment flags that only one family's environments read (beast/flags.py
+# add_env_flags; None unless given).
+FAMILY_FLAGS = {"atari": ("repeat_action_probability", "full_action_space", "noop_max"),
+                "nethack": ("penalty_step",)}
+
+
+def _refuse_flags_of_other_families(flags, family):
+    """ValueError for a flag of FAMILY_FLAGS given with another family's environment."""
+    for owner, names in FAMILY_FLAGS.items():
+        given = [name for name in names if getattr(flags, name, None) is not None]
+        if owner != family and given:
+            raise ValueError(f"--{given[0]} is for {owner} environments only, and --env "
+                             f"{flags.env} is not one: leave it out")
 
 
 def _registered(env_id):

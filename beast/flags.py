@@ -295,6 +295,15 @@ def add_env_flags(parser, group=None):
                        help="Atari sticky actions: the probability that the emulator repeats the "
                             "previous action instead of the chosen one (default: the id's own "
                             "value: 0.25 for ALE/*-v5, 0 for *-v4 such as PongNoFrameskip-v4).")
+    group.add_argument("--full_action_space", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="Atari: act with all 18 joystick actions instead of the game's "
+                            "minimal set, as the Machado et al. (2018) protocol does (default: "
+                            "the id's own set, the minimal one for ALE/*-v5 and *-v4).")
+    group.add_argument("--noop_max", type=Number(int, 0), default=None,
+                       help="Atari: start each game with 1 to noop_max no-op frames, drawn at "
+                            "random; 0: none, as the Machado et al. (2018) protocol has "
+                            "(default: 30, as DeepMind's and TorchBeast's preprocessing).")
     group.add_argument("--penalty_step", type=Number(float, None, 0), default=None,
                        help="NetHack: the reward of a step on which the game's clock stands "
                             "still (a menu, a prompt, a move into a wall), NLE's penalty_step "

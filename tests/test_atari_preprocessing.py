@@ -137,3 +137,32 @@ def test_reset_leaves_the_emulator_where_noops_then_fire_take_it(env_id):
             play(ale, [noop] * frames)
             assert not np.array_equal(ale.getRAM(), ram), "FIRE made no difference to check"
     env.close()
+
+
+@pytest.mark.parametrize("noop_max", [0, 5])
+def test_noop_max_bounds_the_no_op_start(noop_max):
+    """--noop_max 0 (the Machado et al. protocol) starts every game at once: Freeway's new games
+    have played no frame; --noop_max 5 starts them after 1..5."""
+    flags = flag_helpers.make_flags(env="ALE/Freeway-v5", episodic_life=False,
+                                    repeat_action_probability=0.0, noop_max=noop_max)
+    env = envs.create_env(flags)
+    noops = set(reset_frames(env, 40))
+    env.close()
+    assert noops == ({0} if noop_max == 0 else set(range(1, noop_max + 1))), sorted(noops)
+
+
+@pytest.mark.parametrize("backend", ["gymnasium", "envpool"])
+def test_full_action_space_gives_all_18_actions(backend):
+    if backend == "envpool":
+        pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+    flags = flag_helpers.make_flags(env="ALE/Pong-v5", env_backend=backend)
+    assert envs.env_info(flags)["num_actions"] == 6  # Pong's minimal set, the id's own
+    flags.full_action_space = True
+    assert envs.env_info(flags)["num_actions"] == 18
+
+
+@pytest.mark.parametrize("flag, value", [("noop_max", 0), ("full_action_space", True),
+                                         ("repeat_action_probability", 0.25)])
+def test_atari_flags_are_refused_for_other_environments(flag, value):
+    with pytest.raises(ValueError, match=f"--{flag} is for atari environments only"):
+        envs.create_env(flag_helpers.make_flags(env="CartPole-v1", **{flag: value}))
