@@ -4,7 +4,9 @@ A task's return alone does not say it: on NetHackStaircase-v0 a game that reache
 after many steps on which the clock stood still can score below one that dies early. This
 plays `python -m monobeast --mode test` with the arguments given, with one more wrapper in
 beast.envs.WRAPPERS that reads NLE's end_status at each game's end (TASK_SUCCESSFUL, DEATH,
-ABORTED at the step limit), and prints how many games ended each way.
+ABORTED at the step limit), and prints how many games ended each way, and which actions the
+policy took how often (a policy can lose to random actions by favouring a few: waiting,
+searching, walking into walls).
 
     python -m bench.nethack_ends --xpid stair-s0 --test_episodes 100 --eval_policy sample
 """
@@ -20,13 +22,19 @@ from beast import envs
 
 class CountEnds(gymnasium.Wrapper):
     """Adds to `ends` (a Counter) how each game ends: NLE's end_status name where the env
-    reports one, else "terminated" or "truncated"."""
+    reports one, else "terminated" or "truncated"; and to `actions` (a Counter, optional)
+    each action taken, by its NLE name where the env has one."""
 
-    def __init__(self, env, ends):
+    def __init__(self, env, ends, actions=None):
         super().__init__(env)
         self.ends = ends
+        self.actions = actions
+        self.names = getattr(env.unwrapped, "actions", None)
 
     def step(self, action):
+        if self.actions is not None:
+            name = self.names[int(action)] if self.names is not None else int(action)
+            self.actions[getattr(name, "name", str(name))] += 1
         observation, reward, terminated, truncated, info = self.env.step(action)
         if terminated or truncated:
             status = info.get("end_status")
@@ -36,14 +44,20 @@ class CountEnds(gymnasium.Wrapper):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ends = collections.Counter()  # over every environment the test makes
-    envs.WRAPPERS = (*envs.WRAPPERS, functools.partial(CountEnds, ends=ends))
+    ends, actions = collections.Counter(), collections.Counter()  # over every test env
+    envs.WRAPPERS = (*envs.WRAPPERS, functools.partial(CountEnds, ends=ends, actions=actions))
     code = monobeast.main(["--mode", "test", *argv])
     if code == 0:
-        games = sum(ends.values())
-        print(f"Ends of {games} games: " + ", ".join(
-            f"{name} {count} ({count / games:.0%})" for name, count in ends.most_common()))
+        print(f"Ends of {sum(ends.values())} games: {shares(ends)}")
+        print(f"Actions taken ({sum(actions.values())} steps): {shares(actions)}")
     return code
+
+
+def shares(counter):
+    """"NAME count (share), ..." for a Counter, the most common first."""
+    total = sum(counter.values())
+    return ", ".join(f"{name} {count} ({count / total:.0%})" for name, count in
+                     counter.most_common())
 
 
 if __name__ == "__main__":

@@ -67,3 +67,23 @@ def test_the_ends_an_env_reports_are_counted_once_a_game():
     plain = collections.Counter()  # an env without end_status: Gymnasium's own ends
     random_agent.play(nethack_ends.CountEnds(cartpole(), plain), episodes=4, seed=0)
     assert plain == {"terminated": 4}
+
+
+Action = enum.Enum("Action", "WAIT SEARCH")  # NLE's actions are enums like these
+
+
+def test_the_actions_taken_are_counted_by_name():
+    env = EndsAfterTwoSteps()
+    env.actions = (Action.WAIT, Action.SEARCH)  # what NLE's env.unwrapped.actions holds
+    ends, actions = collections.Counter(), collections.Counter()
+    counted = nethack_ends.CountEnds(env, ends, actions)
+    counted.reset(seed=0)
+    for action in (1, 0, 1):
+        counted.step(action)
+    assert actions == {"SEARCH": 2, "WAIT": 1}
+    unnamed = collections.Counter()  # an env without names: the action's number
+    counted = nethack_ends.CountEnds(EndsAfterTwoSteps(), collections.Counter(), unnamed)
+    counted.reset(seed=0)
+    counted.step(1)
+    assert unnamed == {"1": 1}
+    assert nethack_ends.shares(actions) == "SEARCH 2 (67%), WAIT 1 (33%)"
