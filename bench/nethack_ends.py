@@ -34,7 +34,9 @@ class CountEnds(gymnasium.Wrapper):
     def step(self, action):
         if self.actions is not None:
             name = self.names[int(action)] if self.names is not None else int(action)
-            self.actions[getattr(name, "name", str(name))] += 1
+            if hasattr(name, "name"):  # an enum member: CompassDirectionLonger.N, not N alone
+                name = f"{type(name).__name__}.{name.name}"
+            self.actions[str(name)] += 1
         observation, reward, terminated, truncated, info = self.env.step(action)
         if terminated or truncated:
             status = info.get("end_status")

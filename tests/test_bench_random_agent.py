@@ -80,10 +80,10 @@ def test_the_actions_taken_are_counted_by_name():
     counted.reset(seed=0)
     for action in (1, 0, 1):
         counted.step(action)
-    assert actions == {"SEARCH": 2, "WAIT": 1}
+    assert actions == {"Action.SEARCH": 2, "Action.WAIT": 1}
     unnamed = collections.Counter()  # an env without names: the action's number
     counted = nethack_ends.CountEnds(EndsAfterTwoSteps(), collections.Counter(), unnamed)
     counted.reset(seed=0)
     counted.step(1)
     assert unnamed == {"1": 1}
-    assert nethack_ends.shares(actions) == "SEARCH 2 (67%), WAIT 1 (33%)"
+    assert nethack_ends.shares(actions) == "Action.SEARCH 2 (67%), Action.WAIT 1 (33%)"
