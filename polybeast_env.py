@@ -128,6 +128,7 @@ def resolve_env_flags(flags):
     from beast import envs  # here: importing polybeast_env stays free of gymnasium
 
     info = envs.env_info(flags)
+    envs.fill_family_flags(flags)
     return beast_flags.apply_env_defaults(flags, info["kind"], names=beast_flags.env_flag_names())
 
 

@@ -123,11 +123,11 @@ def load_checkpoint(path, map_location="cpu"):
     return state
 
 
-# The flags that cannot change on a resume: the environment and the shape of the network
-# that the checkpoint's weights fit. Every other flag typed on a resume takes effect
+# The flags that cannot change on a resume: the environment, its action set and the shape of
+# the network that the checkpoint's weights fit. Every other flag typed on a resume takes effect
 # (merge_saved_flags), the optimizer's included (beast/learner.py
 # create_optimizer).
-FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size")
+FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size", "full_action_space")
 
 
 def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
@@ -142,7 +142,9 @@ def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
     missing = "(not set)"
     problems = []
     for key in keys:
-        old = checkpoint_flags.get(key, missing)
+        if key not in checkpoint_flags:  # a flag that came later: the run had its default
+            continue
+        old = checkpoint_flags[key]
         new = given.get(key, missing)
         if old != new:
             problems.append(f"checkpoint was trained with --{key} {old}, you gave --{key} {new}")
@@ -182,7 +184,18 @@ def merge_saved_flags(flags, saved, given):
     for key, value in BEFORE_THE_FLAG.items():
         if key not in saved and key not in given:
             setattr(flags, key, value)
+    if "penalty_step" not in saved and "penalty_step" not in given:
+        flags.penalty_step = nle_registered_penalty(saved.get("env", ""))
     return flags
+
+
+def nle_registered_penalty(env_id):
+    """What a still step cost a NetHack run saved before --penalty_step: NLE's registered
+    penalty (-0.01; 0 for Challenge; NetHack-v0 has none). None for other environments."""
+    env_id = env_id.split(":")[-1]
+    if not env_id.startswith("NetHack") or env_id == "NetHack-v0":
+        return None
+    return 0.0 if env_id == "NetHackChallenge-v0" else -0.01
 
 
 # Flags that changed what a run does by default after runs were saved without them, and the

@@ -55,7 +55,9 @@ def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
         seed=(flags.seed if seed is None else int(seed)) % 2**31,
         episodic_life=bool(flags.episodic_life),
         reward_clip=False, stack_num=4, gray_scale=True, img_height=84, img_width=84, frame_skip=4,
-        noop_max=atari_wrappers.noop_max(flags), use_fire_reset=True,
+        # EnvPool draws 0..noop_max-1 no-op frames (ours: 1..noop_max, or none at 0); 1 asks
+        # it for none, where 0 would draw from an empty range.
+        noop_max=max(atari_wrappers.noop_max(flags), 1), use_fire_reset=True,
         full_action_space=atari_wrappers.full_action_space(flags, kwargs),
         repeat_action_probability=atari_wrappers.sticky_action_probability(flags, kwargs),
         max_episode_steps=atari_wrappers.MAX_FRAMES_PER_EPISODE // 4,

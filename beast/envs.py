@@ -113,6 +113,8 @@ def check_backend(flags):
     backend = flags.env_backend
     if backend not in ("gymnasium", "envpool"):
         raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
+    if backend == "envpool":
+        _refuse_flags_of_other_families(flags, "atari")  # EnvPool plays Atari only
     if backend == "envpool" and WRAPPERS:
         names = ", ".join(getattr(w, "__name__", repr(w)) for w in WRAPPERS)
         raise ValueError("--env_backend envpool steps its games in C++ and cannot apply the "
@@ -136,8 +138,7 @@ def _make_env(flags, render_mode=None):
     if family == "nethack":
         from beast import nethack_env
 
-        return nethack_env.make_nethack(env_id, getattr(flags, "penalty_step", None),
-                                        **make_kwargs)
+        return nethack_env.make_nethack(env_id, flags.penalty_step, **make_kwargs)
     if family == "atari":
         from beast import atari_wrappers
 
@@ -193,7 +194,7 @@ FAMILY_FLAGS = {"atari": ("repeat_action_probability", "full_action_space", "noo
 def _refuse_flags_of_other_families(flags, family):
     """ValueError for a flag of FAMILY_FLAGS given with another family's environment."""
     for owner, names in FAMILY_FLAGS.items():
-        given = [name for name in names if getattr(flags, name, None) is not None]
+        given = [name for name in names if getattr(flags, name) is not None]
         if owner != family and given:
             raise ValueError(f"--{given[0]} is for {owner} environments only, and --env "
                              f"{flags.env} is not one: leave it out")
@@ -205,8 +206,9 @@ def _registered(env_id):
     if env_id not in gymnasium.registry:
         try:
             from beast import atari_wrappers  # noqa: F401 (registers ALE's ids)
-        except ImportError:  # no ale_py: the ids are not there to find
-            pass
+        except ImportError as error:
+            if error.name != "ale_py":  # no ale_py: no ALE ids to find; anything else breaks
+                raise
     return env_id in gymnasium.registry
 
 
@@ -239,6 +241,28 @@ def _raise_from_env_code(env_flag, doing, error):
         f"--env {env_flag}: {doing} raised {type(error).__name__}: {error} (its traceback is "
         "above). Fix the environment's code, or check that --env names the environment you "
         "mean (module:EnvId)") from error
+
+
+def fill_family_flags(flags):
+    """Gives the family flags (FAMILY_FLAGS) of flags.env that are still None the values its
+    environments take, so that flags.json and the env servers' command lines record them: the
+    id's action set and NOOP_MAX no-op starts (Atari), the task's still-step penalty
+    (NetHack). Call it once flags.env is known to exist (after env_info). Returns flags."""
+    env_id = flags.env.split(":")[-1]
+    family = _family(env_id)
+    if family == "nethack" and flags.penalty_step is None:
+        from beast import nethack_env
+
+        flags.penalty_step = nethack_env.default_penalty_step(env_id)
+    if family == "atari":
+        from beast import atari_wrappers
+
+        if flags.full_action_space is None:
+            flags.full_action_space = atari_wrappers.full_action_space(
+                flags, atari_wrappers.atari_spec_kwargs(env_id))
+        if flags.noop_max is None:
+            flags.noop_max = atari_wrappers.NOOP_MAX
+    return flags
 
 
 def env_kind(env):

@@ -308,8 +308,9 @@ def add_env_flags(parser, group=None):
                        help="NetHack: the reward of a step on which the game's clock stands "
                             "still (a menu, a prompt, a move into a wall), NLE's penalty_step "
                             "(default: the NLE paper's: -0.001, and -0.00001 on the tasks that "
-                            "pay 1 for a success, Staircase, StaircasePet and Oracle; NLE "
-                            "registers -0.01).")
+                            "pay 1 for a success, Staircase, StaircasePet and Oracle; "
+                            "NetHackChallenge-v0 keeps NLE's 0; NLE registers -0.01 for the "
+                            "others).")
     return parser
 
 

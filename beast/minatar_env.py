@@ -2,7 +2,7 @@
 
     action (int) -> MinAtar -> bool [10, 10, C] -> ChannelsFirst -> float32 [C, 10, 10]
 
-beast/envs.py `create_env` calls `make_minatar` for the ids in envs.MINATAR_IDS.
+beast/envs.py `create_env` calls `make_minatar` for the ids that start with MinAtar/.
 
 Only numpy, gymnasium and minatar (on first use) are imported.
 """

@@ -1,7 +1,7 @@
 """NetHack, the NetHack Learning Environment's games (the nle package), as create_env makes them.
 
-    action (int, one of the task's 23 keys) -> NetHackEnv.step -> NLE -> dict(glyphs [21, 79]
-        int16, blstats [27] int64), fresh arrays
+    action (int: one of a task's 23 keys, or of the full keyboard) -> NetHackEnv.step -> NLE
+        -> dict(glyphs [21, 79] int16, blstats [27] int64), fresh arrays
 
 beast/envs.py `create_env` calls `make_nethack` for the ids in envs.NETHACK_IDS. NLE builds
 only the entries that --model nethack reads (NETHACK_KEYS), and every game follows the first
@@ -24,13 +24,19 @@ NETHACK_KEYS = ("glyphs", "blstats")
 # squares seen, as in the paper. NLE registers -0.01 (0 for Challenge): on Staircase random
 # actions spend about 1,100 still steps a game, so any penalty near that size pays a policy
 # more to die at once than to search (docs/results.md#nethack). NetHack-v0 takes none.
+# NetHackChallenge-v0 keeps NLE's 0: the challenge's own rules, scored by the game alone.
 NETHACK_PENALTY_STEP = -0.001
 SUCCESS_TASKS = ("NetHackStaircase-v0", "NetHackStaircasePet-v0", "NetHackOracle-v0")
 SUCCESS_PENALTY_STEP = NETHACK_PENALTY_STEP / 100
 
 
 def default_penalty_step(env_id):
-    """The penalty a still step of env_id (not NetHack-v0) costs unless --penalty_step is given."""
+    """The penalty a still step of env_id costs unless --penalty_step is given; None for
+    NetHack-v0, which takes none."""
+    if env_id == "NetHack-v0":
+        return None
+    if env_id == "NetHackChallenge-v0":
+        return 0.0
     return SUCCESS_PENALTY_STEP if env_id in SUCCESS_TASKS else NETHACK_PENALTY_STEP
 
 

@@ -105,3 +105,26 @@ def test_compat_lists_every_differing_key():
     assert "--xpid" in message
     assert "cannot change on a resume" in message and message.count("\n") == 3  # one message
     checkpoint.check_compatible(saved, argparse.Namespace(**saved))  # same flags: no error
+
+
+@pytest.mark.parametrize("env_id, penalty", [("NetHackScore-v0", -0.01),
+                                             ("NetHackChallenge-v0", 0.0),
+                                             ("NetHack-v0", None), ("CartPole-v1", None)])
+def test_a_nethack_run_saved_before_penalty_step_keeps_nle_s_registered_penalty(env_id, penalty):
+    """Its reward must not change on a resume: NLE's own penalty, not today's default."""
+    flags = argparse.Namespace(env=env_id, penalty_step=None, pg_clip=None, reward_scale=None,
+                               lr_warmup_steps=None, init=None)
+    checkpoint.merge_saved_flags(flags, {"env": env_id}, given=set())
+    assert flags.penalty_step == penalty
+    typed = argparse.Namespace(**{**vars(flags), "penalty_step": -0.5})
+    checkpoint.merge_saved_flags(typed, {"env": env_id}, {"penalty_step"})
+    assert typed.penalty_step == -0.5
+
+
+def test_a_flag_a_checkpoint_predates_is_not_held_against_it():
+    """full_action_space came later: an old checkpoint had the id's own action set."""
+    checkpoint.check_compatible({"env": "ALE/Pong-v5"}, {"env": "ALE/Pong-v5",
+                                                   "full_action_space": False})
+    with pytest.raises(checkpoint.CheckpointError, match="--full_action_space False"):
+        checkpoint.check_compatible({"env": "ALE/Pong-v5", "full_action_space": False},
+                              {"env": "ALE/Pong-v5", "full_action_space": True})

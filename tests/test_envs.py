@@ -1,6 +1,8 @@
 """Tests of beast/envs.py: create_env, the Atari preprocessing, and RolloutAdapter's rollout
 format."""
 
+import os
+import subprocess
 import sys
 
 import ale_py
@@ -11,6 +13,8 @@ import pytest
 import flag_helpers
 from beast import atari_wrappers, envs, rollout, vector_envs
 from bench import null_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_flags(env, **kwargs):
@@ -479,3 +483,58 @@ def test_a_wrapper_inside_the_atari_preprocessing_is_refused():
     with pytest.raises(TypeError, match="never run"):
         atari_wrappers.AtariPreprocessing(gymnasium.wrappers.RecordEpisodeStatistics(atari))
     atari.close()
+
+
+@pytest.mark.parametrize("env_id, filled", [
+    ("ALE/Pong-v5", dict(full_action_space=False, noop_max=30, penalty_step=None)),
+    ("NetHackStaircase-v0", dict(full_action_space=None, noop_max=None, penalty_step=-0.00001)),
+    ("NetHackChallenge-v0", dict(full_action_space=None, noop_max=None, penalty_step=0.0)),
+    ("CartPole-v1", dict(full_action_space=None, noop_max=None, penalty_step=None))])
+def test_the_family_flags_of_the_env_are_filled_with_what_its_environments_take(env_id, filled):
+    if env_id.startswith("NetHack"):
+        pytest.importorskip("nle", reason="NetHack is optional: pip install --no-deps nle")
+    flags = envs.fill_family_flags(flag_helpers.make_flags(env=env_id))
+    assert {name: getattr(flags, name) for name in filled} == filled
+
+
+def test_envpool_refuses_the_flags_of_other_families():
+    with pytest.raises(ValueError, match="--penalty_step is for nethack environments only"):
+        envs.check_backend(flag_helpers.make_flags(env="ALE/Pong-v5", env_backend="envpool",
+                                                   penalty_step=-0.1))
+
+
+@pytest.mark.timeout(120)
+def test_envpool_starts_games_without_no_ops_at_noop_max_0():
+    """EnvPool draws its no-ops from 0..noop_max-1, an empty range at 0: it gets 1, none. Without
+    no-ops and sticky actions every Breakout game starts on the same screen; with them, not."""
+    pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+
+    def first_screens(noop_max):
+        screens = []
+        for seed in (1, 2, 3, 4):
+            flags = flag_helpers.make_flags(env="ALE/Breakout-v5", env_backend="envpool",
+                                            noop_max=noop_max, repeat_action_probability=0.0,
+                                            seed=seed)
+            env = envs.create_env(flags)
+            screens.append(env.reset(seed=seed)[0])
+            env.close()
+        return [np.array_equal(screens[0], other) for other in screens[1:]]
+
+    assert all(first_screens(0))
+    assert not all(first_screens(30))
+
+
+def test_a_cartpole_run_loads_no_package_of_the_other_families(tmp_path):
+    """The Atari, EnvPool, MinAtar and NetHack modules (and ale_py, cv2, envpool, minatar,
+    nle) load only for their own environments."""
+    heavy = ["ale_py", "cv2", "envpool", "minatar", "nle", "beast.atari_wrappers",
+             "beast.envpool_backend", "beast.minatar_env", "beast.nethack_env"]
+    code = ("import sys, monobeast; "
+            f"rc = monobeast.main(['--savedir', {str(tmp_path)!r}, '--env', 'CartPole-v1', "
+            "'--num_actors', '1', '--total_steps', '1280', '--no_progress']); "
+            f"loaded = [m for m in {heavy!r} if m in sys.modules]; "
+            "assert rc == 0, rc; print('loaded:', loaded)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "loaded: []" in result.stdout, result.stdout

@@ -11,7 +11,8 @@ from beast import envpool_backend, envs, rollout, vector_envs
 
 def make_flags(env, **overrides):
     flags = dict(env=env, env_backend="gymnasium", episodic_life=False,
-                 repeat_action_probability=None, seed=0)
+                 repeat_action_probability=None, full_action_space=None, noop_max=None,
+                 penalty_step=None, seed=0)
     flags.update(overrides)
     return argparse.Namespace(**flags)
 
