@@ -211,13 +211,13 @@ def sticky_action_probability(flags, spec_kwargs):
 
 def full_action_space(flags, spec_kwargs):
     """--full_action_space, or the id's own action set (the game's minimal one) when None."""
-    value = flags.full_action_space
+    value = getattr(flags, "full_action_space", None)  # None also where flags are built by hand
     return bool(spec_kwargs.get("full_action_space", False) if value is None else value)
 
 
 def noop_max(flags):
     """--noop_max, or 30 no-op frames at most when None."""
-    value = flags.noop_max
+    value = getattr(flags, "noop_max", None)  # None also where flags are built by hand
     return NOOP_MAX if value is None else value
 
 

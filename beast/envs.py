@@ -138,7 +138,8 @@ def _make_env(flags, render_mode=None):
     if family == "nethack":
         from beast import nethack_env
 
-        return nethack_env.make_nethack(env_id, flags.penalty_step, **make_kwargs)
+        return nethack_env.make_nethack(env_id, getattr(flags, "penalty_step", None),
+                                        **make_kwargs)
     if family == "atari":
         from beast import atari_wrappers
 
@@ -194,7 +195,8 @@ FAMILY_FLAGS = {"atari": ("repeat_action_probability", "full_action_space", "noo
 def _refuse_flags_of_other_families(flags, family):
     """ValueError for a flag of FAMILY_FLAGS given with another family's environment."""
     for owner, names in FAMILY_FLAGS.items():
-        given = [name for name in names if getattr(flags, name) is not None]
+        # getattr: flags built by hand (a server script's Namespace) may leave them out.
+        given = [name for name in names if getattr(flags, name, None) is not None]
         if owner != family and given:
             raise ValueError(f"--{given[0]} is for {owner} environments only, and --env "
                              f"{flags.env} is not one: leave it out")
