@@ -108,13 +108,14 @@ def create_env(flags, render_mode=None):
 
 
 def check_backend(flags):
-    """Raises ValueError for an unknown flags.env_backend, and for envpool while WRAPPERS is not
-    empty: EnvPool steps its games in C++ and cannot apply them."""
+    """Raises ValueError for an unknown flags.env_backend, and for envpool with another
+    family's flags (EnvPool plays Atari only) or while WRAPPERS is not empty: EnvPool steps
+    its games in C++ and cannot apply them."""
     backend = flags.env_backend
     if backend not in ("gymnasium", "envpool"):
         raise ValueError(f"Unknown --env_backend {backend!r}: use gymnasium or envpool")
     if backend == "envpool":
-        _refuse_flags_of_other_families(flags, "atari")  # EnvPool plays Atari only
+        _refuse_flags_of_other_families(flags, "atari")
     if backend == "envpool" and WRAPPERS:
         names = ", ".join(getattr(w, "__name__", repr(w)) for w in WRAPPERS)
         raise ValueError("--env_backend envpool steps its games in C++ and cannot apply the "
