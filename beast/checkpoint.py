@@ -185,17 +185,11 @@ def merge_saved_flags(flags, saved, given):
         if key not in saved and key not in given:
             setattr(flags, key, value)
     if "penalty_step" not in saved and "penalty_step" not in given:
-        flags.penalty_step = nle_registered_penalty(saved.get("env", ""))
+        # A NetHack run saved before --penalty_step keeps the penalty it trained with.
+        from beast import nethack_env  # numpy and gymnasium only; nle is not imported
+
+        flags.penalty_step = nethack_env.registered_penalty_step(saved.get("env", ""))
     return flags
-
-
-def nle_registered_penalty(env_id):
-    """What a still step cost a NetHack run saved before --penalty_step: NLE's registered
-    penalty (-0.01; 0 for Challenge; NetHack-v0 has none). None for other environments."""
-    env_id = env_id.split(":")[-1]
-    if not env_id.startswith("NetHack") or env_id == "NetHack-v0":
-        return None
-    return 0.0 if env_id == "NetHackChallenge-v0" else -0.01
 
 
 # Flags that changed what a run does by default after runs were saved without them, and the

@@ -40,6 +40,15 @@ def default_penalty_step(env_id):
     return SUCCESS_PENALTY_STEP if env_id in SUCCESS_TASKS else NETHACK_PENALTY_STEP
 
 
+def registered_penalty_step(env_id):
+    """NLE's own penalty for env_id (-0.01; 0 for Challenge), what runs saved before
+    --penalty_step trained with; None for NetHack-v0 and for ids that are not NetHack's."""
+    env_id = env_id.split(":")[-1]
+    if not env_id.startswith("NetHack") or env_id == "NetHack-v0":
+        return None
+    return 0.0 if env_id == "NetHackChallenge-v0" else -0.01
+
+
 def make_nethack(env_id, penalty_step=None, **make_kwargs):
     """NetHackEnv over gymnasium.make(env_id) of an NLE id; make_kwargs (render_mode) go to
     gymnasium.make. Raises ValueError without nle, or for a penalty NetHack-v0 cannot take."""
