@@ -29,6 +29,7 @@ import torch
 from beast import actor_processes
 from beast import flags as beast_flags
 from beast import lockstep
+from beast import machine
 from beast import models
 from beast import restarts
 from beast import rollout
@@ -36,6 +37,8 @@ from beast import system
 from beast import training
 from beast import vector_envs
 
+# Actor processes on a laptop: one per core, so that a run learns the same way everywhere.
+DEFAULT_NUM_ACTORS = 2
 # Environments each actor steps together, by kind of environment (beast/flags.py ENV_DEFAULTS).
 ENVS_PER_ACTOR = {"atari": 8, "image": 32, "vector": 32, "continuous": 16, "nethack": 16}
 
@@ -47,9 +50,11 @@ def make_parser():
     groups = beast_flags.add_common_flags(parser)
     # Actors and buffers.
     groups.torchbeast.add_argument(
-        "--num_actors", type=beast_flags.Number(int, low=0), default=2,
+        "--num_actors", type=beast_flags.Number(int, low=0), default=None,
         help="Actor processes; 0 steps the environments in the learner's thread (serial mode, "
-             "for debugging).")
+             f"for debugging) (default: {DEFAULT_NUM_ACTORS}, one per core of a laptop; on a "
+             f"GPU machine, a CUDA learner with at least {machine.GPU_MACHINE_MIN_CORES} "
+             "cores, one per core but the two its learner threads take).")
     groups.torchbeast.add_argument(
         "--num_buffers", type=beast_flags.Number(int, low=1), default=None,
         help="Shared-memory rollout buffers (default: max(2 * num_actors * envs_per_actor, "
@@ -71,9 +76,19 @@ def make_parser():
     return parser
 
 
+def default_num_actors(gpu_machine, num_cores=None):
+    """DEFAULT_NUM_ACTORS; on a GPU machine one actor per core but the two that its learner
+    threads take. num_cores: machine.cores() when None."""
+    if not gpu_machine:
+        return DEFAULT_NUM_ACTORS
+    return max(DEFAULT_NUM_ACTORS, (num_cores or machine.cores()) - 2)
+
+
 def resolve_flags(flags, env):
     """Fills MonoBeast's own flags that depend on the environment (env: training.EnvSpec)
     where they were left to their defaults, then checks them; returns the problems found."""
+    if flags.num_actors is None:
+        flags.num_actors = default_num_actors(training.on_gpu_machine(flags))
     if flags.envs_per_actor is None:
         flags.envs_per_actor = ENVS_PER_ACTOR[env.kind]
     if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":

@@ -33,6 +33,7 @@ import torch
 
 import libpolybeast
 from beast import flags as beast_flags
+from beast import machine
 from beast import restarts
 from beast import rollout
 from beast import system
@@ -52,8 +53,10 @@ def make_parser():
     groups = beast_flags.add_common_flags(parser)
     layout.add_server_flags(groups)
     groups.torchbeast.add_argument(
-        "--num_inference_threads", type=beast_flags.Number(int, low=1), default=1,
-        help="Threads that run the acting model on batches of actor requests.")
+        "--num_inference_threads", type=beast_flags.Number(int, low=1), default=None,
+        help="Threads that run the acting model on batches of actor requests (default: 1; "
+             "2 on a GPU machine, a CUDA learner with at least "
+             f"{machine.GPU_MACHINE_MIN_CORES} cores).")
     groups.operations.add_argument(
         "--inference_torch_threads", type=beast_flags.Number(int, low=1), default=1,
         help="Intra-op threads of each inference thread (the learner threads "
@@ -108,7 +111,7 @@ def resolve_flags(flags, env):
     inference_batch_size and learner_queue_size), so that a resume with another
     --num_actors or --batch_size does not inherit sizes derived from the old ones.
     """
-    layout.default_layout(flags, env.kind)
+    layout.default_layout(flags, env.kind, training.on_gpu_machine(flags))
     # --envs_per_stream's range also holds for servers started elsewhere: the actors ask
     # them for it (create_actor_pool).
     problems = beast_flags.range_problems(flags, make_parser())

@@ -395,12 +395,16 @@ def _add_learner_flags(groups):
                             "the new total gives at the current step (higher than before) "
                             f"and decays from there (default: {_env_default('total_steps')}).")
     group.add_argument("--batch_size", type=Number(int, low=1), default=None,
-                       help="Rollouts per learner batch "
+                       help="Rollouts per learner batch, 8 on Atari on a GPU machine (a "
+                            "CUDA learner with at least "
+                            f"{machine.GPU_MACHINE_MIN_CORES} cores) "
                             f"(default: {_env_default('batch_size')}).")
     group.add_argument("--unroll_length", type=Number(int, low=1), default=None,
                        help=f"Steps T per rollout (default: {_env_default('unroll_length')}).")
-    group.add_argument("--num_learner_threads", type=Number(int, low=1), default=1,
-                       help="Learner threads that take batches and update the model.")
+    group.add_argument("--num_learner_threads", type=Number(int, low=1), default=None,
+                       help="Learner threads that take batches and update the model "
+                            "(default: 1; 2 on a GPU machine, a CUDA learner with at least "
+                            f"{machine.GPU_MACHINE_MIN_CORES} cores).")
     group.add_argument("--disable_cuda", action="store_true",
                        help="Train on the CPU even when a GPU is present.")
     group = groups.run
@@ -556,6 +560,25 @@ def _add_video_and_wandb_flags(group):
     group.add_argument("--wandb_mode", default=None, choices=["online", "offline"],
                        help="W&B mode; offline writes the run to disk for `wandb sync` "
                             "(default: W&B's own choice, or the WANDB_MODE variable).")
+
+
+# What a GPU machine (machine.is_gpu_machine) changes in ENV_DEFAULTS: on Atari, batches of 8,
+# as in the layout measured there (docs/performance.md "What changes with the machine").
+GPU_MACHINE_DEFAULTS = {"atari": dict(batch_size=8)}
+
+
+def apply_machine_defaults(flags, kind, gpu_machine):
+    """Fills the flags left at None that a GPU machine sets otherwise (GPU_MACHINE_DEFAULTS,
+    then num_learner_threads: 2 there, else 1, and 1 with --deterministic, which learns in
+    one thread); call it before apply_env_defaults."""
+    if gpu_machine:
+        for key, value in GPU_MACHINE_DEFAULTS.get(kind, {}).items():
+            if getattr(flags, key) is None:
+                setattr(flags, key, value)
+    if flags.num_learner_threads is None:
+        one_thread = getattr(flags, "deterministic", False)
+        flags.num_learner_threads = 2 if gpu_machine and not one_thread else 1
+    return flags
 
 
 def apply_env_defaults(flags, kind, table=ENV_DEFAULTS, names=None):

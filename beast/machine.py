@@ -64,3 +64,15 @@ def describe(device="cpu"):
     """The machine as meta.json records it; device is the learner's."""
     cpu, bf16 = this_cpu()
     return {"cpu": cpu, "cpu_bf16": bf16, "cores": cores(), "gpu": gpu_description(device)}
+
+
+# A CUDA learner with at least this many cores is a GPU machine: its runs take the layout of
+# docs/performance.md "What changes with the machine" for a GPU machine instead of the
+# laptop's, which leaves such a machine's cores and GPU mostly idle.
+GPU_MACHINE_MIN_CORES = 8
+
+
+def is_gpu_machine(device_type, num_cores=None):
+    """Whether a run whose learner is on device_type ("cuda", "cpu") takes the GPU
+    machine's layout; num_cores: cores() when None."""
+    return device_type == "cuda" and (num_cores or cores()) >= GPU_MACHINE_MIN_CORES

@@ -157,6 +157,7 @@ def resolve_flags_for_env(flags, resolve_flags, checkpoint):
         env = env_spec(flags)
     except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
+    beast_flags.apply_machine_defaults(flags, env.kind, on_gpu_machine(flags))
     beast_flags.apply_env_defaults(flags, env.kind)
     envs.fill_family_flags(flags)
     problems = list(resolve_flags(flags, env)) if resolve_flags else []
@@ -214,6 +215,11 @@ def precision_label(flags):
 def select_device(flags):
     use_cuda = torch.cuda.is_available() and not flags.disable_cuda
     return torch.device("cuda" if use_cuda else "cpu")
+
+
+def on_gpu_machine(flags):
+    """Whether this run's defaults take the GPU machine's layout (machine.is_gpu_machine)."""
+    return machine.is_gpu_machine(select_device(flags).type)
 
 
 # ----------------------------------------------------------------------------

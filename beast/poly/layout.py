@@ -24,6 +24,9 @@ ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16, "net
 # DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
 # the extra processes only take turns, so fewer servers carry more environments each.
 DEFAULT_NUM_ACTORS = 4
+# On a GPU machine (beast/machine.py is_gpu_machine) the servers started here are one per core,
+# and Atari's streams carry 16 games each: the layout measured there (docs/performance.md).
+GPU_MACHINE_ENVS_PER_STREAM = {"atari": 16}
 
 
 def add_server_flags(groups):
@@ -33,13 +36,14 @@ def add_server_flags(groups):
         "--num_actors", type=beast_flags.Number(int, low=1), default=None,
         help="Actor threads, one env server stream each (a stream carries "
              "--envs_per_stream environments); also the number of env servers "
-             f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}; "
+             f"started here (default: one per core, at most {DEFAULT_NUM_ACTORS}, and "
+             "without that limit on a GPU machine; "
              "one per address of --server_addresses).")
     groups.environment.add_argument(
         "--envs_per_stream", type=beast_flags.Number(int, 1, libpolybeast.MAX_ENVS_PER_STREAM),
         default=None,
         help="Environments behind each env server stream, stepped together and "
-             "sent as one batch (default: "
+             "sent as one batch, 16 on Atari on a GPU machine (default: "
              f"{beast_flags.describe_defaults(ENVS_PER_STREAM)}; with fewer than "
              f"{DEFAULT_NUM_ACTORS} servers, started here or at "
              "--server_addresses, and --num_actors left to its default, as "
@@ -98,7 +102,7 @@ def actor_addresses(flags, servers):
     return [servers[i % len(servers)] for i in range(flags.num_actors)]
 
 
-def default_layout(flags, kind):
+def default_layout(flags, kind, gpu_machine=False):
     """Fills --num_actors and --envs_per_stream where not given (a resume keeps its own).
 
     One actor per server: one server per core started here (at most DEFAULT_NUM_ACTORS), or
@@ -106,17 +110,25 @@ def default_layout(flags, kind):
     ENVS_PER_STREAM[kind] environments each, or more when there are fewer than
     DEFAULT_NUM_ACTORS servers, so that at least DEFAULT_NUM_ACTORS x ENVS_PER_STREAM[kind]
     environments are in flight: servers started by hand get the layout of the ones started
-    here. An explicit --num_actors gets ENVS_PER_STREAM[kind] per stream.
+    here. An explicit --num_actors gets ENVS_PER_STREAM[kind] per stream. On a GPU machine
+    the servers started here are one per core, with GPU_MACHINE_ENVS_PER_STREAM's
+    environments where it names the kind, and 2 inference threads where not given.
     """
     local = flags.server_addresses is None and not flags.no_start_servers
     chosen = flags.num_actors is None
     if chosen:
-        if local:
+        if local and gpu_machine:
+            flags.num_actors = beast_flags.default_num_torch_threads()
+        elif local:
             flags.num_actors = min(DEFAULT_NUM_ACTORS, beast_flags.default_num_torch_threads())
         else:
             flags.num_actors = _address_count(flags) or DEFAULT_NUM_ACTORS
+    if flags.num_inference_threads is None:
+        flags.num_inference_threads = 2 if gpu_machine else 1
     if flags.envs_per_stream is None:
         flags.envs_per_stream = ENVS_PER_STREAM[kind]
+        if gpu_machine:
+            flags.envs_per_stream = GPU_MACHINE_ENVS_PER_STREAM.get(kind, flags.envs_per_stream)
         if chosen:
             total = DEFAULT_NUM_ACTORS * ENVS_PER_STREAM[kind]
             flags.envs_per_stream = max(flags.envs_per_stream, total // flags.num_actors)
