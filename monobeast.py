@@ -76,12 +76,12 @@ def make_parser():
     return parser
 
 
-def default_num_actors(gpu_machine, num_cores=None):
+def default_num_actors(gpu_machine):
     """DEFAULT_NUM_ACTORS; on a GPU machine one actor per core but the two that its learner
-    threads take. num_cores: machine.cores() when None."""
+    threads take."""
     if not gpu_machine:
         return DEFAULT_NUM_ACTORS
-    return max(DEFAULT_NUM_ACTORS, (num_cores or machine.cores()) - 2)
+    return max(DEFAULT_NUM_ACTORS, machine.cores() - 2)
 
 
 def resolve_flags(flags, env):
