@@ -30,6 +30,11 @@ KIND_LABELS = {
 
 PRECISIONS = ["auto", "fp32", "bf16"]
 
+# Adam's epsilon is the one CleanRL's and Cleanba's Atari agents give it; the per-kind
+# epsilons of ENV_DEFAULTS are RMSprop's.
+ADAM_EPSILON = 1e-5
+RMSPROP_ONLY_FLAGS = ("alpha", "momentum")
+
 # Defaults by kind of environment, for the flags that default to None; every kind lists every
 # key. Why each value is what it is, with the runs that chose it: docs/defaults.md.
 ENV_DEFAULTS = {
@@ -482,8 +487,10 @@ def _add_loss_flags(groups):
 
 
 def _add_optimizer_flags(groups):
-    # RMSprop, as in TorchBeast.
+    # RMSprop, as in TorchBeast, or Adam.
     group, torchbeast = groups.model, groups.torchbeast
+    # Imported here, not at the top: env servers import this module and start without torch.
+    from beast import learner
     torchbeast.add_argument("--learning_rate", type=Number(float, above=0), default=None,
                             help="Initial learning rate, decayed linearly to 0 at total_steps "
                                  f"(default: {_env_default('learning_rate')}).")
@@ -491,14 +498,20 @@ def _add_optimizer_flags(groups):
                        help="Environment steps over which the learning rate rises linearly "
                             "from 0 to --learning_rate before it decays; 0: none "
                             f"(default: {_env_default('lr_warmup_steps')}).")
+    group.add_argument("--optimizer", choices=list(learner.OPTIMIZERS), default="rmsprop",
+                       help="rmsprop: TorchBeast's (--alpha, --momentum, --epsilon); adam: "
+                            "Adam with betas 0.9 and 0.999 and --epsilon, which then defaults "
+                            f"to {ADAM_EPSILON:g}.")
     torchbeast.add_argument("--alpha", type=Number(float, 0, 1), default=0.99,
                             help="RMSprop smoothing constant.")
     torchbeast.add_argument("--momentum", type=Number(float, low=0, below=1), default=0.0,
                             help="RMSprop momentum.")
     torchbeast.add_argument("--epsilon", type=Number(float, above=0), default=None,
-                            help="RMSprop epsilon, added to the root of each parameter's running "
-                                 "mean square; it bounds the step of a parameter whose gradients "
-                                 f"were near zero (default: {_env_default('epsilon')}).")
+                            help="RMSprop's (or Adam's) epsilon, added to the root of each "
+                                 "parameter's running mean square; it bounds the step of a "
+                                 "parameter whose gradients were near zero; Adam's is "
+                                 f"{ADAM_EPSILON:g} unless typed (default: "
+                                 f"{_env_default('epsilon')}).")
     group.add_argument("--epochs", type=Number(int, low=1), default=1,
                        help="Updates per batch: the learner passes over each batch this many "
                             "times, V-trace recomputed under its weights of the moment, as "
@@ -581,6 +594,23 @@ def apply_machine_defaults(flags, kind, gpu_machine):
     return flags
 
 
+def apply_optimizer_defaults(flags):
+    """Fills --epsilon with Adam's default when --optimizer adam left it at None; call it before
+    apply_env_defaults, whose epsilons are RMSprop's."""
+    if getattr(flags, "optimizer", "rmsprop") == "adam" and flags.epsilon is None:
+        flags.epsilon = ADAM_EPSILON
+    return flags
+
+
+def optimizer_problems(flags):
+    """RMSprop's own flags typed beside --optimizer adam, which would have no effect."""
+    typed = [f"--{name}" for name in RMSPROP_ONLY_FLAGS if name in getattr(flags, "given", ())]
+    if getattr(flags, "optimizer", "rmsprop") == "adam" and typed:
+        return [f"{' and '.join(typed)} set RMSprop's hyperparameters and have no effect with "
+                "--optimizer adam: leave them out, or use --optimizer rmsprop."]
+    return []
+
+
 def apply_env_defaults(flags, kind, table=ENV_DEFAULTS, names=None):
     """Fills the flags left at None with the defaults of this kind of environment.
 
@@ -613,6 +643,7 @@ def validate_flags(flags, extra_problems=(), parser=None):
     problems = list(extra_problems)
     problems += range_problems(flags, parser or common_parser())
     problems += video_and_wandb_problems(flags)
+    problems += optimizer_problems(flags)
     if problems:
         raise FlagError(list(dict.fromkeys(problems)))
 

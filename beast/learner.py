@@ -69,12 +69,15 @@ def learn_step(flags, model, optimizer, batch, initial_agent_state, average_grad
     return {k: float(v) for k, v in stats.items()}
 
 
-# The flags that the optimizer and its schedule read: RMSprop's hyperparameters (by their
-# names in its param_groups) and the schedule's (lr_factor). On a resume each takes effect as
-# the flags say, typed or saved (create_optimizer); so does --grad_norm_clipping, which
+# The flags that each optimizer and its schedule read: the optimizer's hyperparameters (by
+# their names in its param_groups) and the schedule's (lr_factor). On a resume each takes effect
+# as the flags say, typed or saved (create_optimizer); so does --grad_norm_clipping, which
 # learn_step reads at every step.
-RMSPROP_FLAGS = {"lr": "learning_rate", "alpha": "alpha", "momentum": "momentum",
-                 "eps": "epsilon"}
+OPTIMIZERS = {
+    "rmsprop": (torch.optim.RMSprop, {"lr": "learning_rate", "alpha": "alpha",
+                                      "momentum": "momentum", "eps": "epsilon"}),
+    "adam": (torch.optim.Adam, {"lr": "learning_rate", "eps": "epsilon"}),
+}
 SCHEDULE_FLAGS = ("learning_rate", "lr_warmup_steps", "total_steps")
 
 
@@ -101,20 +104,27 @@ def lr_factor(flags, step, steps_per_update):
 
 
 def create_optimizer(flags, model, world_size=1, checkpoint=None):
-    """RMSprop, as TorchBeast uses it, with the learning rate of lr_factor.
+    """The optimizer of --optimizer (RMSprop, as TorchBeast uses it, or Adam), with the
+    learning rate of lr_factor.
 
     Args:
-      flags: reads RMSPROP_FLAGS' and SCHEDULE_FLAGS' flags, unroll_length and batch_size.
+      flags: reads --optimizer, its OPTIMIZERS flags, SCHEDULE_FLAGS' flags, unroll_length
+        and batch_size.
       model: the learner's model, whose parameters it optimizes.
       world_size: the number of learner ranks, each of which makes the same updates.
-      checkpoint: on a resume, the checkpoint dict: RMSprop's state (its running mean
-        squares, momentum buffers) comes from its optimizer_state_dict, and the schedule
-        starts at its step. The hyperparameters are the flags', not the checkpoint's, so a
-        flag typed on the resume takes effect and flags.json records what is used.
+      checkpoint: on a resume, the checkpoint dict: the optimizer's state (running mean
+        squares, moments) comes from its optimizer_state_dict, and the schedule starts at its
+        step. The hyperparameters are the flags', not the checkpoint's, so a flag typed on
+        the resume takes effect and flags.json records what is used. A resume that types
+        another --optimizer keeps the weights and starts the new optimizer's state afresh.
     Returns (optimizer, scheduler); the scheduler is stepped once per update.
     """
-    optimizer = torch.optim.RMSprop(
-        model.parameters(), **{name: getattr(flags, flag) for name, flag in RMSPROP_FLAGS.items()})
+    optimizer_class, hyperparameter_flags = OPTIMIZERS[flags.optimizer]
+
+    def hyperparameters():
+        return {name: getattr(flags, flag) for name, flag in hyperparameter_flags.items()}
+
+    optimizer = optimizer_class(model.parameters(), **hyperparameters())
     start_step = 0 if checkpoint is None else int(checkpoint["step"])
 
     def lr_lambda(update):
@@ -122,14 +132,19 @@ def create_optimizer(flags, model, world_size=1, checkpoint=None):
         return lr_factor(flags, start_step + update * steps_per_update, steps_per_update)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    if checkpoint is not None:
+    if checkpoint is not None and saved_optimizer(checkpoint) == flags.optimizer:
         optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
         # load_state_dict brought the checkpoint's hyperparameters back: the flags' win.
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group.update({name: getattr(flags, flag) for name, flag in RMSPROP_FLAGS.items()})
+            group.update(hyperparameters())
             group["initial_lr"] = flags.learning_rate
             group["lr"] = lr
     return optimizer, scheduler
+
+
+def saved_optimizer(checkpoint):
+    """The --optimizer a checkpoint was trained with; runs saved before the flag used RMSprop."""
+    return checkpoint.get("flags", {}).get("optimizer", "rmsprop")
 
 
 def episode_stats(batch):

@@ -158,6 +158,7 @@ def resolve_flags_for_env(flags, resolve_flags, checkpoint):
     except (ValueError, ImportError, TypeError, KeyError) as e:
         raise UserError(str(e)) from None
     beast_flags.apply_machine_defaults(flags, env.kind, on_gpu_machine(flags))
+    beast_flags.apply_optimizer_defaults(flags)
     beast_flags.apply_env_defaults(flags, env.kind)
     envs.fill_family_flags(flags)
     problems = list(resolve_flags(flags, env)) if resolve_flags else []

@@ -395,3 +395,30 @@ def test_polybeast_env_serves_atari_standalone(tmp_path):
             process.communicate(timeout=JOIN_TIMEOUT_S)
     assert process.returncode == 0, err
     assert "serving ALE/Pong-v5" in serving + out
+
+
+def test_adam_takes_its_own_epsilon_unless_one_is_typed():
+    flags = common_parser().parse_args(["--optimizer", "adam"])
+    beast_flags.apply_optimizer_defaults(flags)
+    beast_flags.apply_env_defaults(flags, "atari")
+    assert flags.epsilon == beast_flags.ADAM_EPSILON != beast_flags.ENV_DEFAULTS["atari"]["epsilon"]
+    typed = common_parser().parse_args(["--optimizer", "adam", "--epsilon", "0.003"])
+    assert beast_flags.apply_optimizer_defaults(typed).epsilon == 0.003
+    rmsprop = common_parser().parse_args([])
+    beast_flags.apply_optimizer_defaults(rmsprop)
+    beast_flags.apply_env_defaults(rmsprop, "atari")
+    assert rmsprop.epsilon == beast_flags.ENV_DEFAULTS["atari"]["epsilon"]
+
+
+@pytest.mark.parametrize("argv", [["--alpha", "0.9"], ["--momentum", "0.5"]])
+def test_rmsprops_own_flags_beside_adam_are_refused(argv):
+    parser = common_parser()
+    flags = parser.parse_args(["--optimizer", "adam", *argv])
+    flags.given = beast_flags.explicit_flags(parser, ["--optimizer", "adam", *argv])
+    beast_flags.apply_optimizer_defaults(flags)
+    beast_flags.apply_env_defaults(flags, "vector")
+    with pytest.raises(beast_flags.FlagError, match=re.escape(
+            f"{argv[0]} set RMSprop's hyperparameters and have no effect with --optimizer adam")):
+        beast_flags.validate_flags(flags)
+    flags.optimizer = "rmsprop"
+    beast_flags.validate_flags(flags)

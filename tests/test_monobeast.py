@@ -221,6 +221,22 @@ def test_resume_continues_counters_and_schedule(tmp_path):
     assert mean == pytest.approx(np.mean(second["returns"]), abs=0.006)
 
 
+def test_adam_runs_saves_and_resumes(tmp_path):
+    """--optimizer adam through the command line: flags.json records Adam's epsilon, the
+    checkpoint holds Adam's moments, and a resume goes on with them."""
+    run_monobeast(tmp_path, "--xpid", "adam", "--optimizer", "adam", "--total_steps", 2_560,
+                  "--num_actors", 1)
+    saved = json.loads((tmp_path / "adam" / "flags.json").read_text())
+    assert (saved["optimizer"], saved["epsilon"]) == ("adam", beast_flags.ADAM_EPSILON)
+    first = ckpt.load_checkpoint(str(tmp_path / "adam" / "model.tar"))
+    moments = first["optimizer_state_dict"]["state"]
+    assert moments and all("exp_avg_sq" in state for state in moments.values())
+    run_monobeast(tmp_path, "--xpid", "adam", "--total_steps", 5_120)
+    second = ckpt.load_checkpoint(str(tmp_path / "adam" / "model.tar"))
+    steps = [int(state["step"]) for state in second["optimizer_state_dict"]["state"].values()]
+    assert min(steps) > max(int(state["step"]) for state in moments.values())
+
+
 @contextlib.contextmanager
 def monobeast_running(savedir, *args, env=None):
     """`python -m monobeast` in the background for the block; killed after it if it runs."""

@@ -19,7 +19,8 @@ from beast import learner
 # A CartPole-like run: 1,280 environment steps per update.
 UNROLL, BATCH = 80, 16
 STEPS_PER_UPDATE = UNROLL * BATCH
-SAVED = dict(learning_rate=0.004, alpha=0.99, momentum=0.0, epsilon=0.01, lr_warmup_steps=0,
+SAVED = dict(optimizer="rmsprop", learning_rate=0.004, alpha=0.99, momentum=0.0, epsilon=0.01,
+             lr_warmup_steps=0,
              total_steps=60_160, grad_norm_clipping=50_000.0, unroll_length=UNROLL,
              batch_size=BATCH)
 
@@ -74,7 +75,8 @@ RMSPROP_CASES = [("learning_rate", "initial_lr", 1e-12), ("alpha", "alpha", 0.9)
 
 def test_every_hyperparameter_that_the_optimizer_reads_is_tested():
     tested = {flag for flag, _, _ in RMSPROP_CASES} | set(learner.SCHEDULE_FLAGS)
-    assert set(learner.RMSPROP_FLAGS.values()) | set(learner.SCHEDULE_FLAGS) <= tested
+    read = {flag for _, names in learner.OPTIMIZERS.values() for flag in names.values()}
+    assert read | set(learner.SCHEDULE_FLAGS) <= tested
 
 
 @pytest.mark.parametrize("flag, group_key, value", RMSPROP_CASES,
@@ -88,13 +90,48 @@ def test_a_typed_rmsprop_flag_takes_effect_on_a_resume(tmp_path, flag, group_key
     for group in optimizer.param_groups:  # ... is what the optimizer uses
         assert group[group_key] == value
         assert group["lr"] == pytest.approx(expected_lr(flags, step), rel=1e-12)
-        for name, other in learner.RMSPROP_FLAGS.items():
+        for name, other in learner.OPTIMIZERS["rmsprop"][1].items():
             assert group[name] == (getattr(flags, other) if name != "lr" else group["lr"])
     assert scheduler.get_last_lr()[0] == pytest.approx(expected_lr(flags, step), rel=1e-12)
     # RMSprop's running statistics are the checkpoint's, not a fresh start.
     restored = optimizer.state_dict()["state"]
     for index, state in checkpoint["optimizer_state_dict"]["state"].items():
         assert torch.equal(restored[index]["square_avg"], state["square_avg"])
+
+
+def test_adam_resumes_with_its_moments_and_the_typed_epsilon(tmp_path):
+    saved, checkpoint = saved_run(tmp_path, optimizer="adam", epsilon=1e-5)
+    assert saved["optimizer"] == "adam"
+    flags = resumed_flags(saved, "--epsilon=0.001")
+    optimizer, _ = learner.create_optimizer(flags, make_model(), checkpoint=checkpoint)
+    assert isinstance(optimizer, torch.optim.Adam)
+    assert [group["eps"] for group in optimizer.param_groups] == [0.001]
+    restored = optimizer.state_dict()["state"]
+    for index, state in checkpoint["optimizer_state_dict"]["state"].items():
+        assert torch.equal(restored[index]["exp_avg"], state["exp_avg"])
+        assert torch.equal(restored[index]["exp_avg_sq"], state["exp_avg_sq"])
+        assert restored[index]["step"] == state["step"] > 0
+
+
+def test_a_resume_that_types_another_optimizer_starts_its_state_afresh(tmp_path):
+    """RMSprop's running mean squares do not fit Adam: the weights carry over, the new
+    optimizer's state starts empty, and the schedule still follows the step counter."""
+    saved, checkpoint = saved_run(tmp_path)
+    flags = resumed_flags(saved, "--optimizer=adam")
+    assert flags.epsilon == saved["epsilon"]  # a saved flag stays; typed, it would win
+    optimizer, scheduler = learner.create_optimizer(flags, make_model(), checkpoint=checkpoint)
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.state_dict()["state"] == {}
+    assert scheduler.get_last_lr()[0] == pytest.approx(expected_lr(flags, checkpoint["step"]),
+                                                       rel=1e-12)
+
+
+def test_a_run_saved_before_the_optimizer_flag_resumes_with_rmsprop(tmp_path):
+    saved, checkpoint = saved_run(tmp_path)
+    del saved["optimizer"], checkpoint["flags"]["optimizer"]
+    flags = resumed_flags(saved)
+    optimizer, _ = learner.create_optimizer(flags, make_model(), checkpoint=checkpoint)
+    assert flags.optimizer == "rmsprop" and isinstance(optimizer, torch.optim.RMSprop)
+    assert optimizer.state_dict()["state"]  # the checkpoint's running mean squares
 
 
 def test_the_typed_learning_rate_is_used_by_the_next_updates(tmp_path):
