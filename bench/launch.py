@@ -8,7 +8,8 @@ Each run is one subprocess, as a user would type it::
 (a "/" in the env id becomes "-" in the xpid, so MinAtar runs stay one folder deep). The data
 path::
 
-    grid (RunSpec per run) -> skip those whose logs.csv reaches total_steps
+    grid (RunSpec per run) -> skip those whose logs.csv reaches their end (total_steps,
+                              or --stop_at_steps: SIGTERM there, the schedule left long)
         -> at most --parallel children at once, each in its own session,
            stdout/stderr appended to savedir/xpid/stdout.txt, stderr.txt
         -> one RunResult per run (done, skipped, failed, stopped), also written to
@@ -20,6 +21,8 @@ SIGTERM) stops every child with SIGTERM, upon which each writes its checkpoint; 
 has not exited after --stop_timeout_s is killed with its process group.
 
     python -m bench.launch --envs CartPole-v1,Acrobot-v1 --seeds 0,1 --savedir ~/logs/grid
+    python -m bench.launch --envs ALE/Pong-v5 --variants monobeast --seeds 1,2 \\
+        --stop_at_steps 2000000 -- --entropy_cost 0.01
     python -m bench.launch --envs MinAtar/Breakout-v1 --variants polybeast \\
         --env_args "MinAtar/Breakout-v1=--num_actors 2" -- --use_lstm
 """
@@ -58,6 +61,7 @@ VARIANTS = tuple(LAUNCHERS)
 DEFAULT_VARIANTS = ("monobeast", "polybeast")  # a grid runs these unless --variants says
 STDERR_TAIL_LINES = 8  # of a failed run's stderr, kept in its result
 STOP_TIMEOUT_S = 60.0  # SIGTERM -> exit; a run writes its checkpoint in between
+LOOK_EVERY_S = 2.0  # how often a run with stop_at_steps has its logs.csv read
 
 
 def default_parallel():
@@ -77,6 +81,9 @@ class RunSpec:
     seed: int
     total_steps: int = None
     args: tuple = ()  # extra flags: the grid's, then the env's (later ones win in argparse)
+    # Stop the run with SIGTERM once its logs pass this step, its learning-rate schedule
+    # still that of total_steps: the first steps of a long run, compared at a step count.
+    stop_at_steps: int = None
 
     @property
     def xpid(self):
@@ -105,13 +112,15 @@ def parse_env_args(items):
     return env_args
 
 
-def make_grid(envs, variants, seeds, total_steps=None, args=(), env_args=None):
+def make_grid(envs, variants, seeds, total_steps=None, args=(), env_args=None,
+              stop_at_steps=None):
     """RunSpecs for envs x variants x seeds, in that order (an env's seeds run together).
 
     Args:
       total_steps: an int or None for every env, or {env: int or None}.
       args: extra flags for every run.
       env_args: {env: [flags]}, appended after `args` for that env's runs.
+      stop_at_steps: every run's RunSpec.stop_at_steps.
     """
     env_args = env_args or {}
     specs = []
@@ -120,7 +129,8 @@ def make_grid(envs, variants, seeds, total_steps=None, args=(), env_args=None):
         for variant in variants:
             for seed in seeds:
                 specs.append(RunSpec(env, variant, int(seed), steps,
-                                     tuple(args) + tuple(env_args.get(env, ()))))
+                                     tuple(args) + tuple(env_args.get(env, ())),
+                                     stop_at_steps))
     return specs
 
 
@@ -161,8 +171,13 @@ def target_steps(spec, savedir):
         return None
 
 
+def end_steps(spec, savedir):
+    """Where the run ends: its stop_at_steps, else its total_steps (None if not yet known)."""
+    return spec.stop_at_steps or target_steps(spec, savedir)
+
+
 def is_done(spec, savedir):
-    target = target_steps(spec, savedir)
+    target = end_steps(spec, savedir)
     return target is not None and logged_steps(run_dir(spec, savedir)) >= target
 
 
@@ -170,8 +185,9 @@ def is_done(spec, savedir):
 class RunResult:
     """How the last attempt at a run ended.
 
-    status: "done" (logs reach total_steps), "skipped" (they already did), "failed" (a
-    non-zero exit, or an exit before total_steps; `error` has the last lines of stderr),
+    status: "done" (logs reach the end: stop_at_steps, else total_steps), "skipped" (they
+    already did), "failed" (a non-zero exit, or an exit before the end; `error` has the last
+    lines of stderr),
     "stopped" (by Ctrl-C or SIGTERM; the next launch resumes it), "not run".
     """
     spec: RunSpec
@@ -179,7 +195,7 @@ class RunResult:
     returncode: int = None
     error: str = ""
     steps: float = math.nan  # the largest step in logs.csv
-    target: int = None  # total_steps, when known
+    target: int = None  # where the run ends (end_steps), when known
     elapsed_s: float = math.nan  # this attempt's wall time, launch to exit
 
     @property
@@ -213,7 +229,7 @@ def load_result(spec, savedir):
     """The RunResult of the last attempt, from launch.json and logs.csv, launching nothing."""
     path = run_dir(spec, savedir)
     result = RunResult(spec, "not run", steps=logged_steps(path),
-                       target=target_steps(spec, savedir))
+                       target=end_steps(spec, savedir))
     try:
         with open(os.path.join(path, "launch.json")) as f:
             record = json.load(f)
@@ -254,6 +270,8 @@ class Child:
     stderr_offset: int  # where this attempt's stderr starts in stderr.txt
     started: float  # time.monotonic()
     files: tuple  # stdout.txt, stderr.txt, closed when it ends
+    next_look: float = 0.0  # time.monotonic() of the next look at its logs (stop_at_steps)
+    stopping: bool = False  # SIGTERM sent at stop_at_steps
 
 
 def progress(message):
@@ -292,11 +310,13 @@ def finish_run(child, savedir, stopped=False):
         f.close()
     code = child.process.returncode
     result = RunResult(child.spec, "done", returncode=code, steps=logged_steps(child.path),
-                       target=target_steps(child.spec, savedir),
+                       target=end_steps(child.spec, savedir),
                        elapsed_s=time.monotonic() - child.started)
     tail = stderr_tail(os.path.join(child.path, "stderr.txt"), child.stderr_offset)
     reached = result.target is not None and result.steps >= result.target
-    if stopped and not reached:
+    if child.stopping and reached:
+        pass  # stopped at stop_at_steps: done, whatever the exit status of a SIGTERM
+    elif stopped and not reached:
         result.status = "stopped"
     elif code != 0:
         result.status, result.error = "failed", f"exit status {code}\n{tail}".strip()
@@ -345,7 +365,7 @@ def describe_end(result, index, total):
 def _launch_next(spec, savedir, index, total, running, results):
     """Skips a finished run or starts it; a run that cannot even start is a failure."""
     if is_done(spec, savedir):
-        target = target_steps(spec, savedir)
+        target = end_steps(spec, savedir)
         results[index] = RunResult(spec, "skipped", steps=logged_steps(run_dir(spec, savedir)),
                                    target=target)
         progress(f"skip {index}/{total} {spec.xpid}: logs reach step {target}")
@@ -358,6 +378,18 @@ def _launch_next(spec, savedir, index, total, running, results):
         progress(f"FAILED {index}/{total} {spec.xpid}: cannot start: {e}")
         return
     progress(f"start {index}/{total} {spec.xpid} ({note})")
+
+
+def stop_if_past(child, look_every_s=LOOK_EVERY_S):
+    """SIGTERM to a child whose logs have passed its stop_at_steps (it checkpoints and exits);
+    its logs.csv is read every look_every_s."""
+    now = time.monotonic()
+    if child.spec.stop_at_steps is None or child.stopping or now < child.next_look:
+        return
+    child.next_look = now + look_every_s
+    if logged_steps(child.path) >= child.spec.stop_at_steps and child.process.poll() is None:
+        child.process.send_signal(signal.SIGTERM)
+        child.stopping = True
 
 
 def run_grid(specs, savedir, parallel=1, poll_s=0.2, stop_timeout_s=STOP_TIMEOUT_S):
@@ -375,6 +407,8 @@ def run_grid(specs, savedir, parallel=1, poll_s=0.2, stop_timeout_s=STOP_TIMEOUT
             while queue and len(running) < parallel:
                 index, spec = queue.pop(0)
                 _launch_next(spec, savedir, index, len(specs), running, results)
+            for child in running:
+                stop_if_past(child)
             for child in [c for c in running if c.process.poll() is not None]:
                 running.remove(child)
                 results[child.index] = finish_run(child, savedir)
@@ -408,6 +442,11 @@ def add_grid_flags(parser, envs, seeds, savedir, total_steps_default=None):
     group.add_argument("--seeds", default=seeds, help="Comma-separated seeds.")
     group.add_argument("--total_steps", type=int, default=None,
                        help=f"Steps for every run (default: {total_steps_default}).")
+    group.add_argument("--stop_at_steps", type=int, default=None,
+                       help="Stop each run (SIGTERM: it checkpoints) once its logs pass this "
+                            "step, its learning-rate schedule still that of --total_steps, to "
+                            "compare the first steps of long runs; a later launch with a "
+                            "larger value resumes them (default: run to --total_steps).")
     group.add_argument("--savedir", default=savedir,
                        help="Where the runs go: savedir/<env>-<variant>-s<seed>/.")
     group.add_argument("--parallel", type=int, default=default_parallel(),
@@ -445,6 +484,12 @@ def grid_problems(args):
         problems.append("--envs: none given.")
     if args.total_steps is not None and args.total_steps < 1:
         problems.append(f"--total_steps must be positive (got {args.total_steps}).")
+    if args.stop_at_steps is not None and args.stop_at_steps < 1:
+        problems.append(f"--stop_at_steps must be positive (got {args.stop_at_steps}).")
+    elif None not in (args.stop_at_steps, args.total_steps) and (
+            args.stop_at_steps > args.total_steps):
+        problems.append(f"--stop_at_steps ({args.stop_at_steps}) is past --total_steps "
+                        f"({args.total_steps}), where the runs end anyway.")
     if args.parallel < 1:
         problems.append(f"--parallel must be at least 1 (got {args.parallel}).")
     if getattr(args, "test_episodes", 0) < 0:  # bench.learn's
@@ -515,7 +560,7 @@ def grid_from_args(args, total_steps=None, env_args=None):
     for env, extra in parse_env_args(args.env_args).items():
         merged[env].extend(extra)  # the command line's come last, so they win
     return make_grid(envs, split_list(args.variants), split_list(args.seeds), steps,
-                     args.extra, merged)
+                     args.extra, merged, args.stop_at_steps)
 
 
 def summary(results):

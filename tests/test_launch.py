@@ -171,6 +171,41 @@ def test_ctrl_c_stops_the_runs_and_the_next_launch_resumes(tmp_path):
     assert "Trained to step" in resumed and "| done |" in result.stdout
 
 
+def test_stop_at_steps_ends_a_run_early_on_its_long_schedule_and_a_larger_value_resumes(
+        tmp_path):
+    """A run stopped at --stop_at_steps is done there, checkpointed, with the learning-rate
+    schedule of its --total_steps; a launch with the same value skips it, a larger one resumes
+    it to that step."""
+    savedir = tmp_path / "runs"
+    run_dir = savedir / "CartPole-v1-monobeast-s0"
+    grid = ["--envs", "CartPole-v1", "--variants", "monobeast", "--seeds", "0",
+            "--savedir", str(savedir), "--total_steps", "1000000"]
+
+    def launch_until(stop_at):
+        result = subprocess.run([sys.executable, "-m", "bench.launch", *grid, "--stop_at_steps",
+                                 str(stop_at), "--", *TINY], cwd=REPO, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = runlog.read_logs(run_dir / "logs.csv")
+        assert stop_at <= rows[-1]["step"] < 100_000  # stopped past it, far short of the total
+        return result, rows
+
+    result, rows = launch_until(2000)
+    assert "| done |" in result.stdout, result.stdout
+    result, _ = launch_until(2000)
+    assert "] skip 1/1 " in result.stderr and "| skipped |" in result.stdout
+    result, rows = launch_until(int(rows[-1]["step"]) + 5000)
+    assert "resume from its checkpoint" in result.stderr and "| done |" in result.stdout
+    assert json.loads((run_dir / "flags.json").read_text())["total_steps"] == 1_000_000
+    # The schedule is the million steps' (still in its warm-up), not one that ends at 4k
+    # steps, where the rate would be near 0.
+    learning_rate = json.loads((run_dir / "flags.json").read_text())["learning_rate"]
+    assert rows[-1]["learning_rate"] > 0.02 * learning_rate
+    stderr = (run_dir / "stderr.txt").read_text()
+    assert stderr.count("=== ") == 2  # the launch that skipped started nothing
+    assert json.loads((run_dir / "launch.json").read_text())["status"] == "done"
+
+
 def test_a_run_whose_logs_reach_total_steps_is_skipped_without_launching(tmp_path):
     spec = launch.RunSpec("CartPole-v1", "monobeast", 0, total_steps=100)
     write_logs(tmp_path / spec.xpid, [(1.0, 50, 1.0), (2.0, 100, 2.0)])
@@ -203,6 +238,11 @@ def test_grid_flags_make_the_commands_and_report_every_problem():
                              "--env_args", "Pong=--x", "--test_episodes", "-1"])
     problems = launch.grid_problems(bad)
     assert len(problems) == 5, problems
+    past = parser.parse_args(["--total_steps", "1000", "--stop_at_steps", "2000"])
+    assert launch.grid_problems(past) == [
+        "--stop_at_steps (2000) is past --total_steps (1000), where the runs end anyway."]
+    assert launch.grid_problems(parser.parse_args(["--stop_at_steps", "0"])) == [
+        "--stop_at_steps must be positive (got 0)."]
     with pytest.raises(ValueError, match="ENV=ARGS"):
         launch.parse_env_args(["--num_actors 2"])
 
