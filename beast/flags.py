@@ -606,8 +606,9 @@ def optimizer_problems(flags):
     """RMSprop's own flags typed beside --optimizer adam, which would have no effect."""
     typed = [f"--{name}" for name in RMSPROP_ONLY_FLAGS if name in getattr(flags, "given", ())]
     if getattr(flags, "optimizer", "rmsprop") == "adam" and typed:
-        return [f"{' and '.join(typed)} set RMSprop's hyperparameters and have no effect with "
-                "--optimizer adam: leave them out, or use --optimizer rmsprop."]
+        verb = "has" if len(typed) == 1 else "have"
+        return [f"RMSprop's {' and '.join(typed)} {verb} no effect with --optimizer adam: "
+                "leave it out, or use --optimizer rmsprop."]
     return []
 
 

@@ -418,7 +418,7 @@ def test_rmsprops_own_flags_beside_adam_are_refused(argv):
     beast_flags.apply_optimizer_defaults(flags)
     beast_flags.apply_env_defaults(flags, "vector")
     with pytest.raises(beast_flags.FlagError, match=re.escape(
-            f"{argv[0]} set RMSprop's hyperparameters and have no effect with --optimizer adam")):
+            f"RMSprop's {argv[0]} has no effect with --optimizer adam: leave it out")):
         beast_flags.validate_flags(flags)
     flags.optimizer = "rmsprop"
     beast_flags.validate_flags(flags)
