@@ -606,9 +606,9 @@ def optimizer_problems(flags):
     """RMSprop's own flags typed beside --optimizer adam, which would have no effect."""
     typed = [f"--{name}" for name in RMSPROP_ONLY_FLAGS if name in getattr(flags, "given", ())]
     if getattr(flags, "optimizer", "rmsprop") == "adam" and typed:
-        verb = "has" if len(typed) == 1 else "have"
+        verb, pronoun = ("has", "it") if len(typed) == 1 else ("have", "them")
         return [f"RMSprop's {' and '.join(typed)} {verb} no effect with --optimizer adam: "
-                "leave it out, or use --optimizer rmsprop."]
+                f"leave {pronoun} out, or use --optimizer rmsprop."]
     return []
 
 
