@@ -172,8 +172,12 @@ def target_steps(spec, savedir):
 
 
 def end_steps(spec, savedir):
-    """Where the run ends: its stop_at_steps, else its total_steps (None if not yet known)."""
-    return spec.stop_at_steps or target_steps(spec, savedir)
+    """Where the run ends: its stop_at_steps or its total_steps, whichever comes first (None
+    if neither is known yet)."""
+    total = target_steps(spec, savedir)
+    if spec.stop_at_steps is None or total is None:
+        return spec.stop_at_steps or total
+    return min(spec.stop_at_steps, total)
 
 
 def is_done(spec, savedir):
@@ -314,8 +318,8 @@ def finish_run(child, savedir, stopped=False):
                        elapsed_s=time.monotonic() - child.started)
     tail = stderr_tail(os.path.join(child.path, "stderr.txt"), child.stderr_offset)
     reached = result.target is not None and result.steps >= result.target
-    if child.stopping and reached:
-        pass  # stopped at stop_at_steps: done, whatever the exit status of a SIGTERM
+    if reached and child.stopping:
+        pass  # stopped at stop_at_steps: "done", whatever status the SIGTERM left
     elif stopped and not reached:
         result.status = "stopped"
     elif code != 0:

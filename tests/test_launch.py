@@ -212,6 +212,8 @@ def test_a_run_whose_logs_reach_total_steps_is_skipped_without_launching(tmp_pat
     (result,) = launch.run_grid([spec], tmp_path)
     assert result.status == "skipped" and result.steps == 100
     assert not (tmp_path / spec.xpid / "stdout.txt").exists()
+    # A stop_at_steps past the total ends the run at the total, as the run itself does.
+    assert launch.is_done(dataclasses.replace(spec, stop_at_steps=10**9), str(tmp_path))
     # Without a total_steps of its own the run's flags.json decides.
     spec = launch.RunSpec("CartPole-v1", "monobeast", 0)
     assert not launch.is_done(spec, str(tmp_path))  # not known yet: run it
