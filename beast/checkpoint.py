@@ -181,6 +181,10 @@ def merge_saved_flags(flags, saved, given):
         if key in given or key in keep_fresh or not hasattr(flags, key):
             continue
         setattr(flags, key, value)
+    if "optimizer" in given and "epsilon" not in given and (
+            flags.optimizer != saved.get("optimizer", "rmsprop")):
+        # Another optimizer typed: its own epsilon default, not the old optimizer's value.
+        flags.epsilon = None
     for key, value in BEFORE_THE_FLAG.items():
         if key not in saved and key not in given:
             setattr(flags, key, value)

@@ -197,8 +197,8 @@ def test_stop_at_steps_ends_a_run_early_on_its_long_schedule_and_a_larger_value_
     result, rows = launch_until(int(rows[-1]["step"]) + 5000)
     assert "resume from its checkpoint" in result.stderr and "| done |" in result.stdout
     assert json.loads((run_dir / "flags.json").read_text())["total_steps"] == 1_000_000
-    # The schedule is the million steps' (still in its warm-up), not one that ends at 4k
-    # steps, where the rate would be near 0.
+    # The schedule is the million steps' (still in its warm-up), not one that ends where the
+    # run stopped, where the rate would be near 0.
     learning_rate = json.loads((run_dir / "flags.json").read_text())["learning_rate"]
     assert rows[-1]["learning_rate"] > 0.02 * learning_rate
     stderr = (run_dir / "stderr.txt").read_text()

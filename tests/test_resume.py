@@ -61,6 +61,7 @@ def resumed_flags(saved, *argv):
     flags = parser.parse_args(list(argv))
     flags.given = beast_flags.explicit_flags(parser, list(argv))
     ckpt.merge_saved_flags(flags, saved, flags.given)
+    beast_flags.apply_optimizer_defaults(flags)
     return beast_flags.apply_env_defaults(flags, "vector")
 
 
@@ -118,7 +119,7 @@ def test_a_resume_that_types_another_optimizer_starts_its_state_afresh(tmp_path)
     optimizer's state starts empty, and the schedule still follows the step counter."""
     saved, checkpoint = saved_run(tmp_path)
     flags = resumed_flags(saved, "--optimizer=adam")
-    assert flags.epsilon == saved["epsilon"]  # a saved flag stays; typed, it would win
+    assert flags.epsilon == beast_flags.ADAM_EPSILON  # Adam's own, not RMSprop's saved one
     optimizer, scheduler = learner.create_optimizer(flags, make_model(), checkpoint=checkpoint)
     assert isinstance(optimizer, torch.optim.Adam) and optimizer.state_dict()["state"] == {}
     assert scheduler.get_last_lr()[0] == pytest.approx(expected_lr(flags, checkpoint["step"]),
