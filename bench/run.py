@@ -72,6 +72,14 @@ def _pong_workloads():
           ["--precision", "bf16", "--acting_precision", "bf16"]),
         W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
           ["--env_backend", "envpool"]),
+        # What the settings that might learn more per step cost per second: the IMPALA
+        # ResNet, Adam, and twice the games in flight.
+        W("mono-pong-resnet", "monobeast", "ALE/Pong-v5", "repo defaults, --model resnet",
+          ["--model", "resnet"]),
+        W("mono-pong-adam", "monobeast", "ALE/Pong-v5", "repo defaults, --optimizer adam",
+          ["--optimizer", "adam"]),
+        W("mono-pong-ep16", "monobeast", "ALE/Pong-v5", "repo defaults, 16 games an actor",
+          ["--envs_per_actor", "16"]),
         W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
           ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
         W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
