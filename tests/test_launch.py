@@ -179,7 +179,7 @@ def test_stop_at_steps_ends_a_run_early_on_its_long_schedule_and_a_larger_value_
     savedir = tmp_path / "runs"
     run_dir = savedir / "CartPole-v1-monobeast-s0"
     grid = ["--envs", "CartPole-v1", "--variants", "monobeast", "--seeds", "0",
-            "--savedir", str(savedir), "--total_steps", "1000000"]
+            "--savedir", str(savedir), "--total_steps", "10000000"]
 
     def launch_until(stop_at):
         result = subprocess.run([sys.executable, "-m", "bench.launch", *grid, "--stop_at_steps",
@@ -187,7 +187,10 @@ def test_stop_at_steps_ends_a_run_early_on_its_long_schedule_and_a_larger_value_
                                 text=True, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         rows = runlog.read_logs(run_dir / "logs.csv")
-        assert stop_at <= rows[-1]["step"] < 100_000  # stopped past it, far short of the total
+        # Stopped past it and far short of the total. The launcher reads the logs every
+        # LOOK_EVERY_S, so how far past depends on the machine's speed: a loaded one runs CartPole
+        # tens of thousands of steps past the mark before its SIGTERM lands.
+        assert stop_at <= rows[-1]["step"] < 1_000_000
         return result, rows
 
     result, rows = launch_until(2000)
@@ -196,8 +199,8 @@ def test_stop_at_steps_ends_a_run_early_on_its_long_schedule_and_a_larger_value_
     assert "] skip 1/1 " in result.stderr and "| skipped |" in result.stdout
     result, rows = launch_until(int(rows[-1]["step"]) + 5000)
     assert "resume from its checkpoint" in result.stderr and "| done |" in result.stdout
-    assert json.loads((run_dir / "flags.json").read_text())["total_steps"] == 1_000_000
-    # The schedule is the million steps' (still in its warm-up), not one that ends where the
+    assert json.loads((run_dir / "flags.json").read_text())["total_steps"] == 10_000_000
+    # The schedule is the ten million steps', not one that ends where the
     # run stopped, where the rate would be near 0.
     learning_rate = json.loads((run_dir / "flags.json").read_text())["learning_rate"]
     assert rows[-1]["learning_rate"] > 0.02 * learning_rate
