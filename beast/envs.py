@@ -188,16 +188,19 @@ def _family(env_id):
 
 
 # The environment flags that only one family's environments read (beast/flags.py
-# add_env_flags; None unless given).
-FAMILY_FLAGS = {"atari": ("repeat_action_probability", "full_action_space", "noop_max"),
+# add_env_flags; None unless given, and episodic_life False for every other kind).
+FAMILY_FLAGS = {"atari": ("repeat_action_probability", "full_action_space", "noop_max",
+                          "episodic_life"),
                 "nethack": ("penalty_step",)}
 
 
 def _refuse_flags_of_other_families(flags, family):
-    """ValueError for a flag of FAMILY_FLAGS given with another family's environment."""
+    """ValueError for a flag of FAMILY_FLAGS given with another family's environment. None
+    and False are not given: False asks for what the other families do anyway."""
     for owner, names in FAMILY_FLAGS.items():
         # getattr: flags built by hand (a server script's Namespace) may leave them out.
-        given = [name for name in names if getattr(flags, name, None) is not None]
+        given = [name for name in names
+                 if getattr(flags, name, None) is not None and getattr(flags, name) is not False]
         if owner != family and given:
             raise ValueError(f"--{given[0]} is for {owner} environments only, and --env "
                              f"{flags.env} is not one: leave it out")

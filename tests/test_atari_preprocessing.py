@@ -162,7 +162,13 @@ def test_full_action_space_gives_all_18_actions(backend):
 
 
 @pytest.mark.parametrize("flag, value", [("noop_max", 0), ("full_action_space", True),
-                                         ("repeat_action_probability", 0.25)])
+                                         ("repeat_action_probability", 0.25),
+                                         ("episodic_life", True)])
 def test_atari_flags_are_refused_for_other_environments(flag, value):
     with pytest.raises(ValueError, match=f"--{flag} is for atari environments only"):
         envs.create_env(flag_helpers.make_flags(env="CartPole-v1", **{flag: value}))
+
+
+@pytest.mark.parametrize("flag", ["episodic_life", "full_action_space"])
+def test_an_atari_switch_turned_off_is_what_other_environments_do_and_is_taken(flag):
+    envs.create_env(flag_helpers.make_flags(env="CartPole-v1", **{flag: False})).close()

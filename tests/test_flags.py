@@ -366,8 +366,11 @@ def test_polybeast_env_fills_episodic_life_from_the_env_kind():
     polybeast_env.resolve_env_flags(flags)
     assert flags.episodic_life is ENV_DEFAULTS["vector"]["episodic_life"]
     assert flags.repeat_action_probability is None  # the id's own value: no table entry
-    flags = polybeast_env.make_parser().parse_args(["--env", "CartPole-v1", "--episodic_life"])
+    flags = polybeast_env.make_parser().parse_args(["--env", "ALE/Pong-v5", "--episodic_life"])
     assert polybeast_env.resolve_env_flags(flags).episodic_life is True
+    flags = polybeast_env.make_parser().parse_args(["--env", "CartPole-v1", "--episodic_life"])
+    with pytest.raises(ValueError, match="--episodic_life is for atari environments only"):
+        polybeast_env.resolve_env_flags(flags)  # ends episodes at a lost life: CartPole has none
 
 
 @pytest.mark.slow
