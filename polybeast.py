@@ -117,6 +117,7 @@ def resolve_flags(flags, env):
     problems = beast_flags.range_problems(flags, make_parser())
     if flags.mode != "train":
         return problems  # --mode test plays locally: no servers, no queues.
+    problems += layout.unused_rank_flags(flags)
     problems += layout.check_servers(flags) or layout.check_tls(flags)
     if flags.num_torch_threads is None and not flags.no_start_servers:
         flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)

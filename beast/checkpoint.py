@@ -176,7 +176,7 @@ def merge_saved_flags(flags, saved, given):
       given: names typed on the command line (they win).
     Returns flags.
     """
-    keep_fresh = {"mode", "xpid", "savedir", "given"}
+    keep_fresh = {"mode", "xpid", "savedir", "given", "typed"}
     for key, value in saved.items():
         if key in given or key in keep_fresh or not hasattr(flags, key):
             continue

@@ -579,20 +579,26 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
       ValueError: with a message naming the --model to use, when the model is
         unknown or the observations do not fit it.
     """
-    if isinstance(observation_shape, dict):
-        net = MODELS.get(flags.model)
-        net = net if getattr(net, "READS_DICT", False) else DictNet
-    elif flags.model in MODELS:
-        net = MODELS[flags.model]
+    net = net_class(flags, observation_shape)
+    if not isinstance(observation_shape, dict):
         observation_shape = tuple(observation_shape)
-    else:
-        raise ValueError(f"unknown --model {flags.model!r}; choose one of {', '.join(MODELS)}")
     options = {name: getattr(flags, name) for name in net.FLAGS}
     net = net(observation_shape, num_actions, use_lstm=flags.use_lstm, continuous=continuous,
               **options)
     if flags.init == "orthogonal":
         init_orthogonal(net)
     return net
+
+
+def net_class(flags, observation_shape):
+    """The class create_model builds: DictNet for a Dict observation unless --model reads
+    one, else MODELS[--model]; ValueError for an unknown --model."""
+    if isinstance(observation_shape, dict):
+        net = MODELS.get(flags.model)
+        return net if getattr(net, "READS_DICT", False) else DictNet
+    if flags.model not in MODELS:
+        raise ValueError(f"unknown --model {flags.model!r}; choose one of {', '.join(MODELS)}")
+    return MODELS[flags.model]
 
 
 def init_orthogonal(model):

@@ -541,8 +541,8 @@ class WandbTracker:
                 "`wandb login`, or pass --wandb_mode offline (then `wandb sync` the run "
                 "later).") from None
         # default=str: the config takes plain JSON, as flags.json does.
-        config = json.loads(json.dumps({k: v for k, v in vars(flags).items() if k != "given"},
-                                       default=str))
+        config = {k: v for k, v in vars(flags).items() if k not in ("given", "typed")}
+        config = json.loads(json.dumps(config, default=str))
         self.run.config.update(config, allow_val_change=True)  # a resume may change flags
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

@@ -39,6 +39,7 @@ from beast import models
 from beast import rollout
 from beast import runlog
 from beast import system
+from beast import unused_flags
 from beast import video
 
 
@@ -161,7 +162,11 @@ def resolve_flags_for_env(flags, resolve_flags, checkpoint):
     beast_flags.apply_optimizer_defaults(flags)
     beast_flags.apply_env_defaults(flags, env.kind)
     envs.fill_family_flags(flags)
-    problems = list(resolve_flags(flags, env)) if resolve_flags else []
+    unused = unused_flags.problems(flags, checkpoint and checkpoint["flags"])
+    if unused and flags.mode == "test":
+        # The variant's problems would be about layouts that --mode test never builds.
+        raise UserError(str(beast_flags.FlagError(unused)))
+    problems = unused + (list(resolve_flags(flags, env)) if resolve_flags else [])
     problems += video.render_problems(flags)
     if flags.num_torch_threads is None:
         flags.num_torch_threads = beast_flags.default_num_torch_threads()
@@ -187,6 +192,11 @@ def model_problems(flags, env):
                 "DictNet (beast/models.py: one encoder per entry, then the core) or a net that "
                 "reads Dict observations (--model nethack for NetHack's); drop --model, "
                 "or edit DictNet."]
+    if net is not None and "hidden_size" in flags.given and (
+            "hidden_size" not in models.net_class(flags, env.observation_shape).FLAGS):
+        return [f"--hidden_size has no effect with --model {flags.model}, whose widths are "
+                f"fixed: leave it out, or choose a --model that reads it "
+                f"({', '.join(n for n, c in models.MODELS.items() if 'hidden_size' in c.FLAGS)})."]
     try:
         rollout.Schema.of(env.env_fields, build_model(flags, env), env.num_actions,
                           env.continuous)
@@ -598,11 +608,13 @@ def test(flags, resolve_flags):
 # The command line.
 
 def parse_flags(parser, argv=None, always_given=()):
-    """Parses argv; records which flags were typed (they win over a resumed
-    run's saved flags), plus `always_given`, flags never taken from a saved run."""
+    """Parses argv; records which flags were typed (flags.typed), and flags.given: those
+    and `always_given`, the flags never taken from a saved run (given flags win over a
+    resumed run's saved ones)."""
     argv = sys.argv[1:] if argv is None else argv
     flags = parser.parse_args(argv)
-    flags.given = beast_flags.explicit_flags(parser, argv) | set(always_given)
+    flags.typed = beast_flags.explicit_flags(parser, argv)
+    flags.given = flags.typed | set(always_given)
     return flags
 
 

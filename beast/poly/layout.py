@@ -145,10 +145,21 @@ def _address_count(flags):
         return None
 
 
+def unused_rank_flags(flags):
+    """--dist_timeout_s typed for a run of one learner rank, which never reads it."""
+    if "dist_timeout_s" in getattr(flags, "typed", ()) and distributed.env_rank()[1] == 1:
+        return ["--dist_timeout_s is for learner ranks under torchrun, and this run has one: "
+                "leave it out, or start it with torchrun --nproc_per_node N."]
+    return []
+
+
 def check_servers(flags):
     """Checks where the env servers are; --server_addresses implies --no_start_servers and,
     unless --num_actors was given, one actor per address."""
     if flags.server_addresses is not None:
+        if "pipes_basename" in getattr(flags, "typed", ()):
+            return ["--server_addresses and --pipes_basename both say where the env servers "
+                    "listen: give one."]
         flags.no_start_servers = True
         try:
             servers = server_list(flags)

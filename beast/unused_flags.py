@@ -1,0 +1,50 @@
+"""The flags a user typed that would do nothing in this run: each is refused with what to
+change, so that no typed flag is silently ignored. Only typed flags count (flags.typed): a
+resumed run's flags.json fills every flag, and those values are the run's own.
+
+beast/training.py asks for the problems of the modes every variant has (--mode test,
+training without evaluation, a resume); each entry script adds its own layouts' cases.
+"""
+
+from beast import flags as beast_flags
+
+# What --mode test reads: where the run is, how to play its checkpoint, and the environment
+# and model flags (those must match the run's: beast/checkpoint.py check_compatible).
+# --no_progress is taken too: test prints no progress line, and scripts pass it to both modes.
+TEST_FLAGS = frozenset(["mode", "xpid", "savedir", "seed", "num_torch_threads",
+                        "test_episodes", "eval_policy", "eval_envs", "eval_max_steps",
+                        "record_video", "no_progress", "model", "use_lstm", "hidden_size"])
+# The flags of evaluation during training, and what they need to be read.
+EVAL_GAME_FLAGS = ("eval_episodes", "eval_envs")  # the games of an evaluation
+EVAL_PLAY_FLAGS = ("eval_policy", "eval_max_steps")  # how its games, and a video's, play
+
+
+def problems(flags, saved_flags=None):
+    """The typed flags that would do nothing with the others: a list of messages.
+
+    Args:
+      flags: the resolved flags, with flags.typed (training.parse_flags).
+      saved_flags: the resumed run's flags.json (a dict), or None for a new run.
+    """
+    typed = getattr(flags, "typed", set())
+    if flags.mode == "test":
+        test_reads = TEST_FLAGS | set(beast_flags.env_flag_names())
+        return [f"--{name} has no effect with --mode test, which plays the checkpoint of "
+                f"--xpid {flags.xpid}: leave it out." for name in sorted(typed - test_reads)]
+    found = []
+    if "test_episodes" in typed:
+        found.append("--test_episodes is for --mode test; in training, evaluation plays "
+                     "--eval_episodes every --eval_interval_steps: leave it out.")
+    no_eval = flags.eval_interval_steps == 0
+    no_video = flags.eval_video_interval_steps == 0
+    for name in EVAL_GAME_FLAGS + EVAL_PLAY_FLAGS:
+        if name in typed and no_eval and (no_video or name in EVAL_GAME_FLAGS):
+            needs = ("--eval_interval_steps N" if name in EVAL_GAME_FLAGS else
+                     "--eval_interval_steps N or --eval_video_interval_steps N")
+            found.append(f"--{name} has no effect without {needs} (evaluation is off): "
+                         "give one, or leave it out.")
+    if saved_flags is not None and "init" in typed and saved_flags.get("init") != flags.init:
+        found.append(f"--init chooses a new run's weights; a resume keeps its checkpoint's "
+                     f"(this run's were --init {saved_flags.get('init')}): leave it out, or "
+                     "give a new --xpid.")
+    return found
