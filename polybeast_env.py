@@ -355,6 +355,9 @@ def main(argv=None):
     parser = make_parser()
     flags = parser.parse_args(argv)
     problems = flag_problems(flags, parser)
+    if flags.address is not None and "pipes_basename" in beast_flags.explicit_flags(
+            parser, sys.argv[1:] if argv is None else argv):
+        problems.append("--address and --pipes_basename both say where to serve: give one.")
     if problems:
         refuse(beast_flags.FlagError(problems))
     addresses = server_addresses(flags)

@@ -360,6 +360,14 @@ def test_polybeast_env_reports_every_bad_flag_at_once(capsys):
     assert "--num_servers must be an integer >= 1" in capsys.readouterr().err
 
 
+def test_polybeast_env_refuses_an_address_and_a_socket_basename_together(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        polybeast_env.main(["--env", "CartPole-v1", "--address", "127.0.0.1:5599",
+                            "--pipes_basename", f"unix:{tmp_path}/s"])
+    assert exit_info.value.code == 2
+    assert "--address and --pipes_basename both say where to serve" in capsys.readouterr().err
+
+
 def test_polybeast_env_fills_episodic_life_from_the_env_kind():
     flags = polybeast_env.make_parser().parse_args(["--env", "CartPole-v1"])
     assert flags.episodic_life is None
