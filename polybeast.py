@@ -119,6 +119,7 @@ def resolve_flags(flags, env):
         return problems  # --mode test plays locally: no servers, no queues.
     problems += layout.unused_rank_flags(flags)
     problems += layout.check_servers(flags) or layout.check_tls(flags)
+    layout.note_env_flags_of_remote_servers(flags, sys.stderr)
     if flags.num_torch_threads is None and not flags.no_start_servers:
         flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
     if learner_queue_size(flags) < flags.batch_size:

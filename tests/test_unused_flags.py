@@ -114,3 +114,20 @@ def test_polybeast_refuses_two_places_for_the_servers_and_a_rank_timeout_without
     assert "--dist_timeout_s is for learner ranks" in layout.unused_rank_flags(flags)[0]
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert layout.unused_rank_flags(flags) == []
+
+
+def test_polybeast_says_that_servers_started_elsewhere_play_their_own_environment_flags():
+    import io
+
+    import polybeast
+
+    flags = flag_helpers.make_flags(parser=polybeast.make_parser(), no_start_servers=True)
+    flags.typed = {"env", "noop_max", "num_actors"}
+    out = io.StringIO()
+    layout.note_env_flags_of_remote_servers(flags, out)
+    assert "--noop_max typed here reach only this learner's evaluation" in out.getvalue()
+    assert "--env" not in out.getvalue() and "python -m polybeast_env" in out.getvalue()
+    flags.no_start_servers = False  # servers started here get them on their command lines
+    out = io.StringIO()
+    layout.note_env_flags_of_remote_servers(flags, out)
+    assert out.getvalue() == ""

@@ -145,6 +145,18 @@ def _address_count(flags):
         return None
 
 
+def note_env_flags_of_remote_servers(flags, out):
+    """Servers started elsewhere play the environment flags they were started with: an
+    environment flag typed here (but --env) sets only this learner's evaluation, test and
+    flags.json, and a line on `out` says so and what to do."""
+    typed = sorted(set(getattr(flags, "typed", ())) & set(beast_flags.env_flag_names()) - {"env"})
+    if flags.no_start_servers and typed:
+        names = ", ".join(f"--{name}" for name in typed)
+        print(f"note: the env servers were started elsewhere and play the environment flags "
+              f"they were started with; {names} typed here reach only this learner's "
+              "evaluation and flags.json: give the same to python -m polybeast_env.", file=out)
+
+
 def unused_rank_flags(flags):
     """--dist_timeout_s typed for a run of one learner rank, which never reads it."""
     if "dist_timeout_s" in getattr(flags, "typed", ()) and distributed.env_rank()[1] == 1:
