@@ -58,8 +58,9 @@ def test_monobeast_refuses_a_reward_that_is_not_finite(tmp_path, num_actors, rew
     names it, its index and the field; the rows logged and the checkpoint stay."""
     env = f"tests.flaky_env:{reward}RewardCartPole-v0"  # bad after 300 steps of each env
     result = run(tmp_path, *learner(
-        "monobeast", tmp_path, "--env", env, "--num_actors", num_actors, "--envs_per_actor", 4,
-        "--batch_size", 4, "--unroll_length", 20, "--total_steps", 400_000,
+        "monobeast", tmp_path, "--env", env, "--num_actors", num_actors,
+        *(["--envs_per_actor", 4] if num_actors else []), "--batch_size", 4,
+        "--unroll_length", 20, "--total_steps", 400_000,
         "--log_interval_steps", 400, *extra))
     assert result.returncode == 2, result.stderr[-3000:]
     message = one_message(result.stderr)

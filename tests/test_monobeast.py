@@ -539,7 +539,8 @@ def test_a_non_finite_loss_never_reaches_weights_or_checkpoint(tmp_path, num_act
     with one message after --max_nonfinite_updates in a row, and the checkpoint written last
     holds the good weights (of the last finite update)."""
     result = run_monobeast(tmp_path, "--env", "tests.flaky_env:HugeRewardCartPole-v0",
-                           "--xpid", "inf", "--num_actors", num_actors, "--envs_per_actor", 4,
+                           "--xpid", "inf", "--num_actors", num_actors,
+                           *(["--envs_per_actor", 4] if num_actors else []),
                            "--batch_size", 4, "--unroll_length", 20, "--total_steps", 400_000,
                            "--log_interval_steps", 800, "--checkpoint_interval_s", 0,
                            "--max_nonfinite_updates", 3, check=False)
