@@ -35,6 +35,7 @@ from beast import restarts
 from beast import rollout
 from beast import system
 from beast import training
+from beast import unused_flags
 from beast import vector_envs
 
 # Actor processes on a laptop: one per core, so that a run learns the same way everywhere.
@@ -99,7 +100,8 @@ def resolve_flags(flags, env):
                                 2 * flags.batch_size)
         if scheduled:
             flags.num_buffers = lockstep.lockstep_num_buffers(flags)
-    problems = beast_flags.range_problems(flags, make_parser()) + unused_layout_flags(flags)
+    problems = beast_flags.range_problems(flags, make_parser())
+    problems += unused_flags.monobeast_layout(flags)
     # With several threads, timing would order the updates.
     if flags.deterministic and flags.num_learner_threads != 1:
         if "num_learner_threads" in getattr(flags, "typed", ()):
@@ -121,27 +123,6 @@ def resolve_flags(flags, env):
         problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --num_actors x "
                         f"--envs_per_actor ({flags.num_actors * flags.envs_per_actor}).")
     return problems
-
-
-# What serial mode (--num_actors 0) never builds: it steps --batch_size environments in the
-# learner's thread, with no actor processes, learner threads or buffers beyond a batch.
-NOT_IN_SERIAL_MODE = ("envs_per_actor", "num_learner_threads", "actor_timeout_s", "num_buffers")
-
-
-def unused_layout_flags(flags):
-    """The typed layout flags that this layout never reads (beast/unused_flags.py has the
-    cases every variant shares)."""
-    typed = getattr(flags, "typed", set())
-    if flags.mode != "train":
-        return []
-    if flags.num_actors == 0:
-        return [f"--{name} has no effect with --num_actors 0 (serial mode steps --batch_size "
-                "environments in the learner's thread): leave it out."
-                for name in NOT_IN_SERIAL_MODE if name in typed]
-    if flags.deterministic and "actor_timeout_s" in typed:
-        return ["--actor_timeout_s has no effect with --deterministic, which never restarts "
-                "an actor: leave it out."]
-    return []
 
 
 # ----------------------------------------------------------------------------

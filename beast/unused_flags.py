@@ -3,7 +3,7 @@ change, so that no typed flag is silently ignored. Only typed flags count (flags
 resumed run's flags.json fills every flag, and those values are the run's own.
 
 beast/training.py asks for the problems of the modes every variant has (--mode test,
-training without evaluation, a resume); each entry script adds its own layouts' cases.
+training without evaluation, a resume); each entry script asks for its own layout's.
 """
 
 from beast import flags as beast_flags
@@ -48,3 +48,23 @@ def problems(flags, saved_flags=None):
                      f"(this run's were --init {saved_flags.get('init')}): leave it out, or "
                      "give a new --xpid.")
     return found
+
+
+# What serial mode (--num_actors 0) never builds: it steps --batch_size environments in the
+# learner's thread, with no actor processes, learner threads or buffers beyond a batch.
+NOT_IN_SERIAL_MODE = ("envs_per_actor", "num_learner_threads", "actor_timeout_s", "num_buffers")
+
+
+def monobeast_layout(flags):
+    """MonoBeast's typed layout flags that its layout never reads (monobeast.resolve_flags)."""
+    typed = getattr(flags, "typed", set())
+    if flags.mode != "train":
+        return []
+    if flags.num_actors == 0:
+        return [f"--{name} has no effect with --num_actors 0 (serial mode steps --batch_size "
+                "environments in the learner's thread): leave it out."
+                for name in NOT_IN_SERIAL_MODE if name in typed]
+    if flags.deterministic and "actor_timeout_s" in typed:
+        return ["--actor_timeout_s has no effect with --deterministic, which never restarts "
+                "an actor: leave it out."]
+    return []
