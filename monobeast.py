@@ -94,28 +94,15 @@ def resolve_flags(flags, env):
         flags.envs_per_actor = ENVS_PER_ACTOR[env.kind]
     if flags.num_torch_threads is None and flags.num_actors > 0 and flags.mode == "train":
         flags.num_torch_threads = beast_flags.default_num_torch_threads(flags.num_actors)
-    scheduled = flags.deterministic and flags.num_actors > 0 and flags.envs_per_actor >= 1
     if flags.num_buffers is None:
         flags.num_buffers = max(2 * max(flags.num_actors, 1) * flags.envs_per_actor,
                                 2 * flags.batch_size)
-        if scheduled:
+        if flags.deterministic and flags.num_actors > 0:
             flags.num_buffers = lockstep.lockstep_num_buffers(flags)
     problems = beast_flags.range_problems(flags, make_parser())
     problems += unused_flags.monobeast_layout(flags)
-    # With several threads, timing would order the updates.
-    if flags.deterministic and flags.num_learner_threads != 1:
-        if "num_learner_threads" in getattr(flags, "typed", ()):
-            problems.append("--deterministic learns in one thread: drop --num_learner_threads "
-                            f"(got {flags.num_learner_threads}) or set it to 1.")
-        else:
-            problems.append("--deterministic learns in one thread, and this run's saved "
-                            f"--num_learner_threads is {flags.num_learner_threads}: type "
-                            "--num_learner_threads 1.")
-    if scheduled and flags.num_buffers < lockstep.lockstep_num_buffers(flags):
-        problems.append(f"--deterministic needs --num_buffers of at least "
-                        f"{lockstep.lockstep_num_buffers(flags)} with these --num_actors, "
-                        "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
-                        "raise it or leave it to its default.")
+    if flags.deterministic:
+        problems += lockstep.layout_problems(flags)
     if flags.num_buffers < flags.batch_size:
         problems.append(f"--num_buffers ({flags.num_buffers}) must be at least --batch_size "
                         f"({flags.batch_size}), or no batch can ever be formed.")

@@ -160,6 +160,26 @@ def lockstep_num_buffers(flags):
     return 2 * per_round + flags.batch_size - math.gcd(per_round, flags.batch_size)
 
 
+def layout_problems(flags):
+    """What --deterministic needs of a layout with actor processes: one learner thread (with
+    several, timing would order the updates) and enough buffers for its schedule."""
+    problems = []
+    if flags.num_learner_threads != 1:
+        if "num_learner_threads" in getattr(flags, "typed", ()):
+            problems.append("--deterministic learns in one thread: drop --num_learner_threads "
+                            f"(got {flags.num_learner_threads}) or set it to 1.")
+        else:
+            problems.append("--deterministic learns in one thread, and this run's saved "
+                            f"--num_learner_threads is {flags.num_learner_threads}: type "
+                            "--num_learner_threads 1.")
+    if flags.num_actors > 0 and flags.num_buffers < lockstep_num_buffers(flags):
+        problems.append(f"--deterministic needs --num_buffers of at least "
+                        f"{lockstep_num_buffers(flags)} with these --num_actors, "
+                        "--envs_per_actor and --batch_size (2 rounds of rollouts and a batch); "
+                        "raise it or leave it to its default.")
+    return problems
+
+
 def act_in_lockstep(actor_index, flags, lockstep, shared_model, shared_step, schema, buffers,
                     state_buffers, sampler_class):
     """Actor process of a --deterministic run: round after round, waits for the round's
