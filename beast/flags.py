@@ -30,7 +30,7 @@ KIND_LABELS = {
 
 PRECISIONS = ["auto", "fp32", "bf16"]
 
-# Adam's epsilon is the one CleanRL's and Cleanba's Atari agents give it; the per-kind
+# Adam's epsilon is the one CleanRL's and Cleanba's Atari PPO give it; the per-kind
 # epsilons of ENV_DEFAULTS are RMSprop's.
 ADAM_EPSILON = 1e-5
 RMSPROP_ONLY_FLAGS = ("alpha", "momentum")
