@@ -505,6 +505,13 @@ class ActorPool {
         if (num_envs == 0) {
           num_envs = n;
           agent_state = repeated(initial_agent_state_, num_envs);
+          // The server's own layout wins over the ask; say so once, so that the learner's
+          // --envs_per_stream is not taken silently for the one in use.
+          if (envs_per_stream_ > 0 && n != envs_per_stream_ && !told_layout_.exchange(true)) {
+            log(index, "the server hosts " + std::to_string(n) + " environments a stream, where " +
+                           std::to_string(envs_per_stream_) +
+                           " were asked for (a server's own --envs_per_stream wins; said once)");
+          }
         } else if (n != num_envs) {
           throw std::runtime_error(
               "the env server changed the number of environments on a "
@@ -794,6 +801,7 @@ class ActorPool {
   std::atomic<int64_t> count_{0};
   std::atomic<int64_t> env_errors_{0};  // sum over streams of Step.env_errors' increases
   std::atomic<bool> closed_{false};
+  std::atomic<bool> told_layout_{false};  // a stream's size other than envs_per_stream_ was logged
   mutable std::mutex mu_;
   std::condition_variable all_done_;  // signalled when an actor thread ends
   bool started_ = false;  // GUARDED_BY(mu_)

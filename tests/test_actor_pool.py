@@ -140,7 +140,7 @@ class Server:
         Server.instances += 1
         return CountingEnv(self.index, Server.instances, self.extras, fail_at_step)
 
-    def factory(self):
+    def factory(self, envs_per_stream=None):  # the learner's ask: this server keeps its own
         self.adapters += 1
         fails = self.flaky and self.adapters <= FLAKY_ADAPTERS
         if self.envs_per_stream is None:
@@ -193,7 +193,7 @@ class Pool:
     def __init__(self, tmp_path, num_servers=2, connect_timeout_s=60.0, envs_per_stream=None,
                  extras=False, flaky=False, env_keys=ENV_KEYS, addresses=None,
                  unroll_length=UNROLL_LENGTH, stream_timeout_s=30.0, inference_delay_s=0.0,
-                 learner_queue_size=8, collecting=True, scheme="unix"):
+                 learner_queue_size=8, collecting=True, scheme="unix", ask_envs_per_stream=0):
         self.servers = [] if addresses is not None else [
             Server(i, f"{scheme}:{tmp_path}/env.{i}", envs_per_stream, extras, flaky)
             for i in range(num_servers)]
@@ -208,7 +208,8 @@ class Pool:
             unroll_length=unroll_length, learner_queue=self.learner_queue,
             inference_batcher=self.batcher, env_server_addresses=addresses,
             initial_agent_state=self.initial_state, env_keys=list(env_keys),
-            connect_timeout_s=connect_timeout_s, stream_timeout_s=stream_timeout_s)
+            connect_timeout_s=connect_timeout_s, stream_timeout_s=stream_timeout_s,
+            envs_per_stream=ask_envs_per_stream)
         self.errors, self.run_errors = [], []
         self.rollouts = []  # (rollout dict, initial agent state), in arrival order
         self.lock = threading.Lock()
@@ -508,6 +509,24 @@ def test_constructor_checks_arguments():
     with pytest.raises(TypeError):  # env_keys is required
         ActorPool(1, queue, batcher, ["unix:/x"], ())
     assert libpolybeast.ActorPool is ActorPool
+
+
+@pytest.mark.parametrize("ask", [2, 3, 0], ids=["other", "same", "none"])
+def test_a_server_keeping_its_own_stream_size_is_said_once(tmp_path, capfd, ask):
+    """Servers that host 3 environments a stream, asked for `ask`: the pool learns on the
+    3, and says once for all streams that the ask was not taken (not when it was, nor when
+    nothing was asked)."""
+    pool = Pool(tmp_path, envs_per_stream=3, ask_envs_per_stream=ask)
+    try:
+        pool.wait_for(lambda rs: len(by_instance(rs)) == 6, "rollouts from all 6 environments")
+    finally:
+        pool.shutdown()
+    notes = [line for line in capfd.readouterr().err.splitlines() if "were asked for" in line]
+    if ask == 2:
+        assert len(notes) == 1, notes
+        assert "hosts 3 environments a stream, where 2 were asked for" in notes[0]
+    else:
+        assert notes == []
 
 
 @pytest.mark.parametrize("envs_per_stream", [None, 3], ids=["single", "batched"])
