@@ -161,8 +161,8 @@ def lockstep_num_buffers(flags):
 
 
 def layout_problems(flags):
-    """What --deterministic needs of a layout with actor processes: one learner thread (with
-    several, timing would order the updates) and enough buffers for its schedule."""
+    """What --deterministic needs of a layout: one learner thread (with several, timing would
+    order the updates) and, with actor processes, enough buffers for its schedule."""
     problems = []
     if flags.num_learner_threads != 1:
         if "num_learner_threads" in getattr(flags, "typed", ()):

@@ -508,8 +508,8 @@ class ActorPool {
           // The server's own layout wins over the ask; say so once, so that the learner's
           // --envs_per_stream is not taken silently for the one in use.
           if (envs_per_stream_ > 0 && n != envs_per_stream_ && !told_layout_.exchange(true)) {
-            log(index, "the server hosts " + std::to_string(n) + " environments a stream, where " +
-                           std::to_string(envs_per_stream_) +
+            log(index, "the server hosts " + std::to_string(n) +
+                           " environment(s) a stream, where " + std::to_string(envs_per_stream_) +
                            " were asked for (a server's own --envs_per_stream wins; said once)");
           }
         } else if (n != num_envs) {

@@ -524,7 +524,7 @@ def test_a_server_keeping_its_own_stream_size_is_said_once(tmp_path, capfd, ask)
     notes = [line for line in capfd.readouterr().err.splitlines() if "were asked for" in line]
     if ask == 2:
         assert len(notes) == 1, notes
-        assert "hosts 3 environments a stream, where 2 were asked for" in notes[0]
+        assert "hosts 3 environment(s) a stream, where 2 were asked for" in notes[0]
     else:
         assert notes == []
 
