@@ -44,10 +44,14 @@ def _check_plain(obj, where):
 
 
 def plain_flags(flags):
-    """vars(flags) with every value that is not None/bool/int/float/str turned into str."""
+    """vars(flags) with every value that is not None/bool/int/float/str, or a list of those
+    (--channels), turned into str: the values flags.json reads back, so that a resume compares
+    like with like (check_compatible)."""
+    plain = (type(None), bool, int, float, str)
     items = flags.items() if isinstance(flags, dict) else vars(flags).items()
     return {
-        key: value if isinstance(value, (type(None), bool, int, float, str)) else str(value)
+        key: value if isinstance(value, plain) or (
+            isinstance(value, list) and all(isinstance(v, plain) for v in value)) else str(value)
         for key, value in items
     }
 
@@ -127,7 +131,7 @@ def load_checkpoint(path, map_location="cpu"):
 # the network that the checkpoint's weights fit. Every other flag typed on a resume takes effect
 # (merge_saved_flags), the optimizer's included (beast/learner.py
 # create_optimizer).
-FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size", "full_action_space")
+FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size", "channels", "full_action_space")
 
 
 def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):

@@ -8,7 +8,7 @@ cannot drift from the values that apply.
 
 The environment flags (`add_env_flags`) are declared once, here, for the learners and for
 `python -m polybeast_env`; `env_flag_args` turns a learner's values back into the command line
-that starts env servers on the same environment. Env server addresses are parsed here as well.
+that starts env servers on the same environment.
 """
 
 import argparse
@@ -264,6 +264,18 @@ class Number:
                 (self.below is None or value < self.below))
 
 
+def channel_list(text):
+    """--channels: "16,32,32" as [16, 32, 32] (a list, as flags.json reads it back)."""
+    try:
+        channels = [int(part) for part in text.split(",")]
+    except ValueError:
+        channels = []
+    if not channels or min(channels) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers >= 1, e.g. 16,32,32")
+    return channels
+
+
 def numeric_actions(parser):
     """The actions of `parser`'s numeric flags (those whose type is a Number)."""
     return [action for action in parser._actions if isinstance(action.type, Number)]
@@ -459,6 +471,10 @@ def _add_loss_flags(groups):
                        help="Width of the MLP's hidden layers, of the small net's fc, of "
                             "DictNet's encoders and of the NetHack net's features "
                             f"(default: {_env_default('hidden_size')}).")
+    group.add_argument("--channels", type=channel_list, default="16,32,32",
+                       help="Channels of the ResNet's sections, comma-separated, one number "
+                            "a section (each halves the frame), e.g. 8,16,16: its cost on a "
+                            "CPU grows with them.")
     torchbeast.add_argument("--entropy_cost", type=Number(float, low=0), default=None,
                             help=f"Entropy cost (default: {_env_default('entropy_cost')}).")
     torchbeast.add_argument("--baseline_cost", type=Number(float, low=0), default=0.5,

@@ -283,9 +283,12 @@ class ResNet(ActorCritic):
     """The deep network of the IMPALA paper (figure 3, right).
 
     Three sections of [conv 3x3, max-pool 3x3 stride 2, two residual blocks]
-    with 16, 32 and 32 channels, then ReLU and fc 256. Each pooling halves the
-    frame (rounding up), so any [C, H, W] frame fits: 84x84 ends at 11x11.
+    with 16, 32 and 32 channels (--channels: one number a section), then ReLU and
+    fc 256. Each pooling halves the frame (rounding up), so any [C, H, W] frame
+    fits: 84x84 ends at 11x11.
     """
+
+    FLAGS = ("channels",)
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
                  channels=(16, 32, 32), feature_size=256, continuous=False):
@@ -557,6 +560,9 @@ def crop_around(glyphs, x, y, size, fill):
 # (READS_DICT: nethack); the others are nets for one array.
 MODELS = {"atari": AtariNet, "resnet": ResNet, "small": SmallConvNet, "mlp": MLP,
           "nethack": NetHackNet}
+# The flags that set a network's widths, each read by the nets that name it in their FLAGS
+# (a net that does not is refused the flag, rather than ignoring it).
+WIDTH_FLAGS = ("hidden_size", "channels")
 
 
 def create_model(flags, observation_shape, num_actions, continuous=False):
@@ -564,7 +570,7 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
 
     Reads flags.model (a key of MODELS), flags.use_lstm, the flags the network's class
     names in its FLAGS (hidden_size: the width of the MLP's layers, of the small net's fc
-    and of DictNet's encoders and core) and flags.init ("torch" or "orthogonal", see
+    and of DictNet's encoders and core; channels: the ResNet's sections) and flags.init ("torch" or "orthogonal", see
     init_orthogonal).
 
     Args:

@@ -192,11 +192,14 @@ def model_problems(flags, env):
                 "DictNet (beast/models.py: one encoder per entry, then the core) or a net that "
                 "reads Dict observations (--model nethack for NetHack's); drop --model, "
                 "or edit DictNet."]
-    if net is not None and "hidden_size" in flags.given and (
-            "hidden_size" not in models.net_class(flags, env.observation_shape).FLAGS):
-        return [f"--hidden_size has no effect with --model {flags.model}, whose widths are "
-                f"fixed: leave it out, or choose a --model that reads it "
-                f"({', '.join(n for n, c in models.MODELS.items() if 'hidden_size' in c.FLAGS)})."]
+    built = models.net_class(flags, env.observation_shape) if net is not None else None
+    unread = [name for name in models.WIDTH_FLAGS
+              if built is not None and name in flags.given and name not in built.FLAGS]
+    if unread:
+        return [f"--{name} has no effect on {built.__name__} (--model {flags.model}): leave "
+                f"it out, or choose a --model that reads it "
+                f"({', '.join(n for n, c in models.MODELS.items() if name in c.FLAGS)})."
+                for name in unread]
     try:
         rollout.Schema.of(env.env_fields, build_model(flags, env), env.num_actions,
                           env.continuous)

@@ -13,7 +13,8 @@ from beast import flags as beast_flags
 # --no_progress is taken too: test prints no progress line, and scripts pass it to both modes.
 TEST_FLAGS = frozenset(["mode", "xpid", "savedir", "seed", "num_torch_threads",
                         "test_episodes", "eval_policy", "eval_envs", "eval_max_steps",
-                        "record_video", "no_progress", "model", "use_lstm", "hidden_size"])
+                        "record_video", "no_progress", "model", "use_lstm", "hidden_size",
+                        "channels"])
 # The flags of evaluation during training, and what they need to be read.
 EVAL_GAME_FLAGS = ("eval_episodes", "eval_envs")  # the games of an evaluation
 EVAL_PLAY_FLAGS = ("eval_policy", "eval_max_steps")  # how its games, and a video's, play

@@ -1,11 +1,13 @@
 import argparse
 import errno
+import json
 import os
 
 import numpy as np
 import pytest
 import torch
 
+import flag_helpers
 from beast import checkpoint
 
 
@@ -105,6 +107,20 @@ def test_compat_lists_every_differing_key():
     assert "--xpid" in message
     assert "cannot change on a resume" in message and message.count("\n") == 3  # one message
     checkpoint.check_compatible(saved, argparse.Namespace(**saved))  # same flags: no error
+
+
+def test_a_resume_keeps_the_resnets_channels_as_flags_json_reads_them_back(tmp_path):
+    """--channels is a list, which flags.json reads back as the same list: a resume without
+    the flag fits, another width is refused, and a run saved before the flag (no key) fits."""
+    flags = flag_helpers.make_flags("--channels", "8,16,16", model="resnet", kind="atari")
+    saved = json.loads(json.dumps(checkpoint.plain_flags(flags)))
+    checkpoint.check_compatible(saved, flags)
+    wider = flag_helpers.make_flags(model="resnet", kind="atari")
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"trained with --channels \[8, 16, 16\], you gave --channels "):
+        checkpoint.check_compatible(saved, wider)
+    del saved["channels"]
+    checkpoint.check_compatible(saved, wider)
 
 
 @pytest.mark.parametrize("env_id, penalty", [("NetHackScore-v0", -0.01),

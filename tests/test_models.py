@@ -134,6 +134,30 @@ def test_small_net_is_the_minatar_papers():
     assert outputs["policy_logits"].shape == (2, 3, NUM_ACTIONS)
 
 
+@pytest.mark.parametrize("text, channels", [("16,32,32", [16, 32, 32]), ("8,16,16", [8, 16, 16]),
+                                             ("4,8", [4, 8])])
+def test_resnet_sections_take_the_channels_flag(text, channels):
+    """--channels sets each section's width, one section a number; each section halves the
+    frame (84 -> 42 -> 21 -> 11), so the fc reads the last width x the last frame's area."""
+    flags = flag_helpers.make_flags("--channels", text, model="resnet", kind="atari")
+    assert flags.channels == channels
+    net = models.create_model(flags, (4, 84, 84), NUM_ACTIONS)
+    convs = [m for m in net.sections.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 5 * len(channels)  # a conv and two blocks of two a section
+    assert [s[0].out_channels for s in net.sections] == channels
+    side = [42, 21, 11][len(channels) - 1]
+    assert net.fc.in_features == channels[-1] * side * side
+    outputs, _ = net(make_inputs(2, 3, (4, 84, 84)))
+    assert outputs["policy_logits"].shape == (2, 3, NUM_ACTIONS)
+
+
+@pytest.mark.parametrize("text", ["", "16,,32", "16,0,32", "a,b", "16.5"])
+def test_channels_that_are_not_positive_integers_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        flag_helpers.make_flags("--channels", text)
+    assert "comma-separated list of integers >= 1" in capsys.readouterr().err
+
+
 def test_atari_shape_end_to_end():
     for name in ["atari", "resnet"]:
         model = make_model(name, (4, 84, 84), use_lstm=True)

@@ -655,6 +655,30 @@ def test_minatar_trains_with_the_small_net(tmp_path):
     assert tuple(state["fc.weight"].shape) == (128, 16 * 8 * 8)
 
 
+@pytest.mark.slow
+def test_a_narrow_resnet_trains_resumes_and_keeps_its_channels(tmp_path):
+    """--channels 4,8,8 on MinAtar: the checkpoint holds those widths; a resume without the
+    flag takes them from the run (and from a first run that never typed it: the default
+    widths), and a resume with other widths is refused with the checkpoint untouched."""
+    pytest.importorskip("minatar", reason="MinAtar is installed by the set-up")
+    tiny = ("--env", "MinAtar/Breakout-v1", "--batch_size", 2, "--num_actors", 1,
+            "--envs_per_actor", 2, "--log_interval_steps", 200)
+    run_monobeast(tmp_path, *tiny, "--xpid", "n", "--channels", "4,8,8", "--total_steps", 400)
+    state = ckpt.load_checkpoint(tmp_path / "n" / "model.tar")
+    widths = [state["model_state_dict"][f"sections.{i}.0.weight"].shape[0] for i in range(3)]
+    assert widths == [4, 8, 8]
+    run_monobeast(tmp_path, *tiny, "--xpid", "n", "--total_steps", 800)
+    assert ckpt.load_checkpoint(tmp_path / "n" / "model.tar")["step"] >= 800
+    before = (tmp_path / "n" / "model.tar").read_bytes()
+    result = run_monobeast(tmp_path, *tiny, "--xpid", "n", "--channels", "8,8,8",
+                           "--total_steps", 1200, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "trained with --channels [4, 8, 8], you gave --channels [8, 8, 8]" in result.stderr
+    assert (tmp_path / "n" / "model.tar").read_bytes() == before
+    run_monobeast(tmp_path, *tiny, "--xpid", "d", "--total_steps", 400)
+    run_monobeast(tmp_path, *tiny, "--xpid", "d", "--total_steps", 800)
+
+
 @pytest.mark.parametrize("typed, mode, expected", [
     ([], "train", 6), (["--num_actors", "10"], "train", 1),
     (["--num_torch_threads", "3"], "train", 3), (["--num_actors", "0"], "train", None),

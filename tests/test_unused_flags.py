@@ -93,7 +93,16 @@ def test_hidden_size_is_refused_for_a_model_whose_widths_are_fixed(tmp_path, cap
     assert monobeast.main(["--env", "MinAtar/Breakout-v1", "--savedir", str(tmp_path),
                            "--hidden_size", "64"]) == 2
     err = capsys.readouterr().err
-    assert "--hidden_size has no effect with --model resnet" in err and "mlp" in err
+    assert "--hidden_size has no effect on ResNet (--model resnet)" in err and "mlp" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_channels_are_refused_for_a_model_without_sections(tmp_path, capsys):
+    assert monobeast.main(["--env", "CartPole-v1", "--savedir", str(tmp_path),
+                           "--channels", "8,16,16"]) == 2
+    err = capsys.readouterr().err
+    assert "--channels has no effect on MLP (--model mlp)" in err and "(resnet)" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_polybeast_refuses_two_places_for_the_servers_and_a_rank_timeout_without_ranks(
