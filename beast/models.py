@@ -570,8 +570,8 @@ def create_model(flags, observation_shape, num_actions, continuous=False):
 
     Reads flags.model (a key of MODELS), flags.use_lstm, the flags the network's class
     names in its FLAGS (hidden_size: the width of the MLP's layers, of the small net's fc
-    and of DictNet's encoders and core; channels: the ResNet's sections) and flags.init ("torch" or "orthogonal", see
-    init_orthogonal).
+    and of DictNet's encoders and core; channels: the ResNet's sections) and flags.init
+    ("torch" or "orthogonal", see init_orthogonal).
 
     Args:
       flags: argparse.Namespace (or any object with those attributes).
