@@ -52,6 +52,9 @@ def workloads():
     return _pong_workloads() + _other_workloads()
 
 
+CLEANBA_BATCH = ["--batch_size", "32", "--learning_rate", "0.0006", "--envs_per_actor", "16"]
+
+
 def _pong_workloads():
     W = endtoend.Workload
     tb_atari = ["--batch_size", "8", "--unroll_length", "80"]
@@ -76,6 +79,15 @@ def _pong_workloads():
         # ResNet, Adam, and twice the games in flight.
         W("mono-pong-resnet", "monobeast", "ALE/Pong-v5", "repo defaults, --model resnet",
           ["--model", "resnet"]),
+        # Cleanba's updates (B=32 at 6e-4, 16 games an actor) with each network: the per-step
+        # comparisons of docs/results.md ran at this batch.
+        W("mono-pong-b32", "monobeast", "ALE/Pong-v5", "Cleanba's batch, the Atari net",
+          CLEANBA_BATCH),
+        W("mono-pong-resnet-b32", "monobeast", "ALE/Pong-v5", "Cleanba's batch, the ResNet",
+          ["--model", "resnet", *CLEANBA_BATCH]),
+        W("mono-pong-resnet8-b32", "monobeast", "ALE/Pong-v5",
+          "Cleanba's batch, the ResNet at 8,16,16",
+          ["--model", "resnet", "--channels", "8,16,16", *CLEANBA_BATCH]),
         W("mono-pong-adam", "monobeast", "ALE/Pong-v5", "repo defaults, --optimizer adam",
           ["--optimizer", "adam"]),
         W("mono-pong-ep16", "monobeast", "ALE/Pong-v5", "repo defaults, 16 games an actor",
