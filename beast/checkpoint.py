@@ -132,6 +132,8 @@ def load_checkpoint(path, map_location="cpu"):
 # (merge_saved_flags), the optimizer's included (beast/learner.py
 # create_optimizer).
 FIXED_ON_RESUME = ("env", "model", "use_lstm", "hidden_size", "channels", "full_action_space")
+# Those of them that came later, and the value every run saved before them had.
+FIXED_BEFORE_THE_FLAG = {"channels": [16, 32, 32], "full_action_space": False}
 
 
 def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
@@ -146,9 +148,12 @@ def check_compatible(checkpoint_flags, flags, keys=FIXED_ON_RESUME):
     missing = "(not set)"
     problems = []
     for key in keys:
-        if key not in checkpoint_flags:  # a flag that came later: the run had its default
+        if key in checkpoint_flags:
+            old = checkpoint_flags[key]
+        elif key in FIXED_BEFORE_THE_FLAG and key in given:  # came later: the run had this
+            old = FIXED_BEFORE_THE_FLAG[key]
+        else:
             continue
-        old = checkpoint_flags[key]
         new = given.get(key, missing)
         if old != new:
             problems.append(f"checkpoint was trained with --{key} {old}, you gave --{key} {new}")

@@ -195,6 +195,9 @@ def model_problems(flags, env):
     built = models.net_class(flags, env.observation_shape) if net is not None else None
     unread = [name for name in models.WIDTH_FLAGS
               if built is not None and name in flags.given and name not in built.FLAGS]
+    if unread and built is not net:  # DictNet, whatever --model says
+        return [f"--{name} has no effect on {built.__name__}, the net of {flags.env}'s Dict "
+                "observation: leave it out." for name in unread]
     if unread:
         return [f"--{name} has no effect on {built.__name__} (--model {flags.model}): leave "
                 f"it out, or choose a --model that reads it "

@@ -34,7 +34,10 @@ from beast import rollout
 from beast import vector_envs
 
 # What a network needs to be built and fed: the observation, the actions and its width.
-NetSpec = collections.namedtuple("NetSpec", "model hidden_size observation_shape num_actions")
+# channels: the ResNet's section widths (--channels), "16,32,32" unless a workload types others.
+NetSpec = collections.namedtuple("NetSpec",
+                                 "model hidden_size observation_shape num_actions channels",
+                                 defaults=("16,32,32",))
 
 ATARI_NET = NetSpec("atari", 128, (4, 84, 84), 6)  # hidden_size: unused by the conv net
 CARTPOLE_NET = NetSpec("mlp", beast_flags.ENV_DEFAULTS["vector"]["hidden_size"], (4,), 2)
@@ -45,7 +48,7 @@ def net_label(net):
     if net.model == "mlp":
         return f"MLP {net.hidden_size} (obs {net.observation_shape[0]}, {net.num_actions} actions)"
     shape = "x".join(map(str, net.observation_shape))
-    name = {"atari": "Atari net", "resnet": "ResNet"}.get(net.model, net.model)
+    name = {"atari": "Atari net", "resnet": f"ResNet {net.channels}"}.get(net.model, net.model)
     return f"{name} ({shape}, {net.num_actions} actions)"
 
 
@@ -63,7 +66,7 @@ def net_flags(net, precision="fp32"):
         kind="atari" if is_image else "vector",
     )
     argv = ["--model", net.model, "--hidden_size", str(net.hidden_size),
-            "--precision", precision]
+            "--channels", net.channels, "--precision", precision]
     flags = monobeast.make_parser().parse_args(argv)
     beast_flags.apply_env_defaults(flags, info["kind"])
     beast_flags.resolve_precisions(flags, "cpu")

@@ -55,7 +55,8 @@ def resolve(workload):
         raise ValueError("; ".join(problems))
     workload.flags = flags
     workload.net = ceilings.NetSpec(flags.model, flags.hidden_size,
-                                    tuple(info.observation_shape), info.num_actions)
+                                    tuple(info.observation_shape), info.num_actions,
+                                    ",".join(map(str, flags.channels)))
     if workload.variant == "monobeast":
         # One forward pass per actor serves its envs_per_actor environments.
         workload.inference_batch = (flags.envs_per_actor if flags.num_actors > 0

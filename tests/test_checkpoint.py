@@ -121,6 +121,12 @@ def test_a_resume_keeps_the_resnets_channels_as_flags_json_reads_them_back(tmp_p
         checkpoint.check_compatible(saved, wider)
     del saved["channels"]
     checkpoint.check_compatible(saved, wider)
+    # A run saved before the flag had the default widths: other widths typed on its resume
+    # are refused before flags.json is rewritten, not met by load_state_dict's traceback.
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"trained with --channels \[16, 32, 32\], you gave --channels "
+                             r"\[8, 16, 16\]"):
+        checkpoint.check_compatible(saved, flags)
 
 
 @pytest.mark.parametrize("env_id, penalty", [("NetHackScore-v0", -0.01),
@@ -137,10 +143,14 @@ def test_a_nethack_run_saved_before_penalty_step_keeps_nle_s_registered_penalty(
     assert typed.penalty_step == -0.5
 
 
-def test_a_flag_a_checkpoint_predates_is_not_held_against_it():
+def test_a_flag_a_checkpoint_predates_holds_it_to_the_value_it_had():
     """full_action_space came later: an old checkpoint had the id's own action set."""
     checkpoint.check_compatible({"env": "ALE/Pong-v5"}, {"env": "ALE/Pong-v5",
                                                    "full_action_space": False})
     with pytest.raises(checkpoint.CheckpointError, match="--full_action_space False"):
         checkpoint.check_compatible({"env": "ALE/Pong-v5", "full_action_space": False},
                               {"env": "ALE/Pong-v5", "full_action_space": True})
+    # It had the id's own action set: all 18 actions typed on its resume are refused.
+    with pytest.raises(checkpoint.CheckpointError, match="--full_action_space False"):
+        checkpoint.check_compatible({"env": "ALE/Pong-v5"},
+                                    {"env": "ALE/Pong-v5", "full_action_space": True})

@@ -105,6 +105,18 @@ def test_channels_are_refused_for_a_model_without_sections(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_channels_are_refused_for_a_dict_observation_without_naming_a_model(tmp_path, capsys):
+    """A Dict observation with an image entry is of the image kind, whose --model default is
+    resnet, but it gets DictNet: the message names DictNet and asks for no --model."""
+    assert monobeast.main(["--env", "tests.dict_obs_env:DictCue-v0", "--savedir",
+                           str(tmp_path), "--channels", "8,16,16"]) == 2
+    err = capsys.readouterr().err
+    assert "--channels has no effect on DictNet, the net of tests.dict_obs_env:DictCue-v0's " \
+           "Dict observation: leave it out." in err
+    assert "--model" not in err
+    assert not any(tmp_path.iterdir())
+
+
 def test_polybeast_refuses_two_places_for_the_servers_and_a_rank_timeout_without_ranks(
         monkeypatch):
     import polybeast
