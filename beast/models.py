@@ -79,6 +79,8 @@ class ActorCritic(nn.Module):
 
     FLAGS = ()
     READS_DICT = False
+    # The memory layout of the acting model's convolution weights (to_acting_layout).
+    ACTING_LAYOUT = torch.contiguous_format
 
     def __init__(self, observation_shape, num_actions, feature_size, use_lstm,
                  continuous=False):
@@ -289,6 +291,9 @@ class ResNet(ActorCritic):
     """
 
     FLAGS = ("channels",)
+    # Its 3x3 convolutions run faster NHWC on a CPU (oneDNN) at acting's batches of a few
+    # frames too, on Atari's frames and on MinAtar's (`python -m bench --only inference`).
+    ACTING_LAYOUT = torch.channels_last
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
                  channels=(16, 32, 32), feature_size=256, continuous=False):
@@ -633,8 +638,15 @@ def to_learning_layout(model):
     """The learner's model with its convolution weights in NHWC (channels_last; in place,
     returned): oneDNN's convolutions on a CPU, and cuDNN's in bf16, run forward and backward
     faster on it than on NCHW, and every later tensor of the network follows the weights.
-    The acting model stays NCHW: at its batches of a few frames NHWC gains nothing."""
+    The acting model takes its net's own layout (to_acting_layout)."""
     return model.to(memory_format=torch.channels_last)
+
+
+def to_acting_layout(model):
+    """The acting model with its convolution weights in its net's ACTING_LAYOUT (in place,
+    returned): at acting's batches of a few frames the Atari net's strided 8x8 first layer
+    runs a little faster NCHW, the ResNet's 3x3 convolutions several times faster NHWC."""
+    return model.to(memory_format=model.ACTING_LAYOUT)
 
 
 # Acting precision (--acting_precision). The learner's model stays float32; the acting

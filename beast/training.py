@@ -243,10 +243,10 @@ def on_gpu_machine(flags):
 # The learner and the run's statistics.
 
 def build_acting_model(flags, env, device="cpu"):
-    """A fresh model for acting, on `device`, in --acting_precision; the learner's weights
-    reach it in Learner._publish."""
-    return models.to_acting_precision(build_model(flags, env).to(device),
-                                      flags.acting_precision)
+    """A fresh model for acting, on `device`, in its net's layout and --acting_precision; the
+    learner's weights reach it in Learner._publish."""
+    model = models.to_acting_layout(build_model(flags, env).to(device))
+    return models.to_acting_precision(model, flags.acting_precision)
 
 
 class ThreadErrors:

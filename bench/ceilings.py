@@ -296,7 +296,8 @@ def _measure_inference(net, batch_size, threads, budget_s):
     flags, info = net_flags(net)
     torch.manual_seed(0)
     with torch_threads(threads):
-        model = build_net(flags, info)  # training mode: actors sample their actions
+        # In the acting model's layout; training mode: actors sample their actions.
+        model = models.to_acting_layout(build_net(flags, info))
         rollout = random_rollout(flags, info, 1, batch_size)
         inputs = {k: rollout[k] for k in ("frame", "reward", "done", "last_action")}
         state = model.initial_state(batch_size)

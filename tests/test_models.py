@@ -381,6 +381,29 @@ def test_a_float32_acting_model_is_left_as_it_is():
         models.to_acting_precision(model, "fp16")
 
 
+@pytest.mark.parametrize("model_name, observation_shape, nhwc", [
+    ("atari", (4, 84, 84), False), ("resnet", (4, 84, 84), True), ("resnet", (4, 10, 10), True)])
+def test_the_acting_layout_is_the_nets_own_and_takes_the_learners_weights(
+        model_name, observation_shape, nhwc):
+    """The acting model's conv weights are NHWC for the ResNet and NCHW for the Atari net
+    (models.to_acting_layout); the learner's weights, copied in as Learner._publish copies
+    them, give the same outputs as the learner's model."""
+    acting = models.to_acting_layout(make_model(model_name, observation_shape, False, seed=1))
+    conv_weights = [p for p in acting.parameters() if p.dim() == 4]
+    assert conv_weights and all(
+        p.is_contiguous(memory_format=torch.channels_last) == nhwc and p.is_contiguous() != nhwc
+        for p in conv_weights)
+    learning = models.to_learning_layout(make_model(model_name, observation_shape, False))
+    acting.load_state_dict(learning.state_dict())
+    assert all(p.is_contiguous(memory_format=torch.channels_last) == nhwc for p in conv_weights)
+    inputs = make_inputs(1, 4, observation_shape, uint8=True)
+    expected, _ = learning.eval()(inputs, ())
+    got, _ = models.act(acting.eval(), inputs, ())
+    torch.testing.assert_close(got["policy_logits"], expected["policy_logits"],
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got["baseline"], expected["baseline"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_name, observation_shape", [("atari", (4, 84, 84)),
                                                            ("resnet", (4, 10, 10))])
 def test_the_learning_layout_computes_what_the_nchw_model_does(model_name, observation_shape):
