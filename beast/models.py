@@ -645,8 +645,10 @@ def to_learning_layout(model):
 def to_acting_layout(model):
     """The acting model with its convolution weights in its net's ACTING_LAYOUT (in place,
     returned): at acting's batches of a few frames the Atari net's strided 8x8 first layer
-    runs a little faster NCHW, the ResNet's 3x3 convolutions several times faster NHWC."""
-    return model.to(memory_format=model.ACTING_LAYOUT)
+    runs a little faster NCHW, the ResNet's 3x3 convolutions several times faster NHWC. A
+    model that names no layout (not an ActorCritic) keeps its own."""
+    layout = getattr(model, "ACTING_LAYOUT", None)
+    return model if layout is None else model.to(memory_format=layout)
 
 
 # Acting precision (--acting_precision). The learner's model stays float32; the acting
