@@ -292,7 +292,7 @@ class ResNet(ActorCritic):
 
     FLAGS = ("channels",)
     # Its 3x3 convolutions run faster NHWC on a CPU (oneDNN) at acting's batches of a few
-    # frames too, on Atari's frames and on MinAtar's (`python -m bench --only inference`).
+    # frames too, on Atari's frames and on MinAtar's (docs/performance.md).
     ACTING_LAYOUT = torch.channels_last
 
     def __init__(self, observation_shape, num_actions, use_lstm=False,
@@ -645,7 +645,7 @@ def to_learning_layout(model):
 def to_acting_layout(model):
     """The acting model with its convolution weights in its net's ACTING_LAYOUT (in place,
     returned): at acting's batches of a few frames the Atari net's strided 8x8 first layer
-    runs a little faster NCHW, the ResNet's 3x3 convolutions several times faster NHWC. A
+    runs a little faster NCHW, the ResNet's 3x3 convolutions faster NHWC. A
     model that names no layout (not an ActorCritic) keeps its own."""
     layout = getattr(model, "ACTING_LAYOUT", None)
     return model if layout is None else model.to(memory_format=layout)
