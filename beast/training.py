@@ -192,9 +192,12 @@ def model_problems(flags, env):
                 "DictNet (beast/models.py: one encoder per entry, then the core) or a net that "
                 "reads Dict observations (--model nethack for NetHack's); drop --model, "
                 "or edit DictNet."]
-    built = models.net_class(flags, env.observation_shape) if net is not None else None
+    try:
+        built = models.net_class(flags, env.observation_shape)
+    except ValueError as e:  # an unknown --model, e.g. a saved run's
+        return [str(e)]
     unread = [name for name in models.WIDTH_FLAGS
-              if built is not None and name in flags.given and name not in built.FLAGS]
+              if name in flags.given and name not in built.FLAGS]
     if unread and built is not net:  # DictNet, whatever --model says
         return [f"--{name} has no effect on {built.__name__}, the net of {flags.env}'s Dict "
                 "observation: leave it out." for name in unread]

@@ -88,32 +88,25 @@ def test_a_trained_run_refuses_training_flags_in_test_mode_and_a_new_init_on_res
                            "--test_episodes", "1"]) == 0
 
 
-def test_hidden_size_is_refused_for_a_model_whose_widths_are_fixed(tmp_path, capsys):
-    pytest.importorskip("minatar", reason="MinAtar is installed by the set-up")
-    assert monobeast.main(["--env", "MinAtar/Breakout-v1", "--savedir", str(tmp_path),
-                           "--hidden_size", "64"]) == 2
-    err = capsys.readouterr().err
-    assert "--hidden_size has no effect on ResNet (--model resnet)" in err and "mlp" in err
-    assert not any(tmp_path.iterdir())
-
-
-def test_channels_are_refused_for_a_model_without_sections(tmp_path, capsys):
-    assert monobeast.main(["--env", "CartPole-v1", "--savedir", str(tmp_path),
-                           "--channels", "8,16,16"]) == 2
-    err = capsys.readouterr().err
-    assert "--channels has no effect on MLP (--model mlp)" in err and "(resnet)" in err
-    assert not any(tmp_path.iterdir())
-
-
-def test_channels_are_refused_for_a_dict_observation_without_naming_a_model(tmp_path, capsys):
-    """A Dict observation with an image entry is of the image kind, whose --model default is
-    resnet, but it gets DictNet: the message names DictNet and asks for no --model."""
-    assert monobeast.main(["--env", "tests.dict_obs_env:DictCue-v0", "--savedir",
-                           str(tmp_path), "--channels", "8,16,16"]) == 2
-    err = capsys.readouterr().err
-    assert "--channels has no effect on DictNet, the net of tests.dict_obs_env:DictCue-v0's " \
-           "Dict observation: leave it out." in err
-    assert "--model" not in err
+@pytest.mark.parametrize("env, flag, expected", [
+    ("MinAtar/Breakout-v1", ["--hidden_size", "64"],
+     "--hidden_size has no effect on ResNet (--model resnet): leave it out, or choose a "
+     "--model that reads it (small, mlp, nethack)."),
+    ("CartPole-v1", ["--channels", "8,16,16"],
+     "--channels has no effect on MLP (--model mlp): leave it out, or choose a --model that "
+     "reads it (resnet)."),
+    # The image kind's --model default is resnet, but a Dict observation gets DictNet: the
+    # message names DictNet and asks for no --model.
+    ("tests.dict_obs_env:DictCue-v0", ["--channels", "8,16,16"],
+     "--channels has no effect on DictNet, the net of tests.dict_obs_env:DictCue-v0's Dict "
+     "observation: leave it out."),
+], ids=["hidden_size-resnet", "channels-mlp", "channels-dictnet"])
+def test_a_width_flag_is_refused_for_a_net_that_does_not_read_it(tmp_path, capsys, env, flag,
+                                                                 expected):
+    if env.startswith("MinAtar"):
+        pytest.importorskip("minatar", reason="MinAtar is installed by the set-up")
+    assert monobeast.main(["--env", env, "--savedir", str(tmp_path), *flag]) == 2
+    assert expected in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
