@@ -71,9 +71,9 @@ def make_parser():
              "(costs some speed).")
     groups.operations.add_argument(
         "--actor_timeout_s", type=beast_flags.Number(float, low=0), default=30.0,
-        help="Kill and start the actors again when one has been stepping its environments for "
-             "this long without finishing a step (a hung environment). 0: never. Not with "
-             "--deterministic.")
+        help="Kill and start the actors again when one has spent this long on one environment "
+             "step or one forward pass of its model (a hung environment, a stuck process); its "
+             "Python stack is printed first. 0: never. Not with --deterministic.")
     return parser
 
 
@@ -210,10 +210,12 @@ def train_serial(run, acting_model, buffers, state_buffers):
 
 def get_batch(flags, full_queue, free_queue, buffers, state_buffers, device):
     """Takes batch_size filled buffers; returns (batch, initial_agent_state) or None at shutdown."""
-    indices = [full_queue.get() for _ in range(flags.batch_size)]
-    problem = next((i for i in indices if isinstance(i, str)), None)
-    if problem is not None:  # an actor's message (actor): it has stopped
-        raise training.UserError(problem)
+    indices = []
+    for _ in range(flags.batch_size):
+        index = full_queue.get()
+        if isinstance(index, str):  # an actor's message (actor): now, not after a whole batch
+            raise training.UserError(index)
+        indices.append(index)
     if any(i is None for i in indices):
         return None
     batch, state = rollout.select_batch(buffers, state_buffers, indices)
@@ -235,12 +237,13 @@ class Sampler:
     """
 
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
-                 error_count=None, name="actor", stepping=None, weights_step=None):
+                 error_count=None, name="actor", busy_since=None, weights_step=None):
         self.flags = flags
-        # Where this actor says since when it has been stepping (time.time(); 0: it is not),
-        # for the learner's watchdog (ActorProcesses.check); None: nobody watches.
-        self.stepping = stepping
-        self._stepping(True)
+        # Where this actor says since when it has been on its current piece of work (time.time();
+        # 0: it waits for buffers), for the learner's watchdog (ActorProcesses.check); None:
+        # nobody watches.
+        self.busy_since = busy_since
+        self._busy()
         self.model = model
         # The learner step of model's weights (learner.Learner.weights_step, int64 []); None:
         # a model no learner writes to, step 0.
@@ -257,11 +260,11 @@ class Sampler:
         self.current = schema.zeros((num_envs,), source="env")
         self.current_torch = {k: torch.from_numpy(v) for k, v in self.current.items()}
         self._store(self.envs.initial())
-        self._stepping(False)
         self.agent_state = model.initial_state(num_envs)
         # State before the forward pass that produced the pending agent output.
         self.state_before = self.agent_state
         self.agent_output = self._act()
+        self._busy(False)
 
     def _count_error(self):
         """The run-wide restart count (it also seeds the replacement environment)."""
@@ -279,6 +282,7 @@ class Sampler:
             array[...] = env_outputs[key]
 
     def _act(self):
+        self._busy()
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
         self.state_before = self.agent_state
         # Before the forward pass: the learner may write newer weights during it.
@@ -295,17 +299,19 @@ class Sampler:
             self.buffers[key][t, indices] = value
 
     def _step_envs(self):
-        self._stepping(True)
+        self._busy()
         self._store(self.envs.step(self.agent_output["action"]))
-        self._stepping(False)
 
-    def _stepping(self, now):
-        if self.stepping is not None:
-            self.stepping.value = time.time() if now else 0.0
+    def _busy(self, busy=True):
+        """Each environment step and each forward pass starts the watchdog's clock again, so
+        it finds a hang in either (a stuck environment, a lock that a fork copied held)."""
+        if self.busy_since is not None:
+            self.busy_since.value = time.time() if busy else 0.0
 
     def unroll(self, indices):
         """Fills buffers [0..T, indices]: step 0 repeats the last step of the
         previous unroll, so the learner can bootstrap across the seam."""
+        self._busy()
         indices = np.asarray(indices)
         for s, state in zip(self.state_buffers, self.state_before):
             s[torch.from_numpy(indices)] = state.transpose(0, 1)
@@ -314,21 +320,23 @@ class Sampler:
             self._step_envs()                # action[t-1] -> env output x_t
             self.agent_output = self._act()  # obs[t] -> action[t]
             self._write(t, indices)
+        self._busy(False)
 
     def close(self):
         self.envs.close()
 
 
-def actor(actor_index, flags, free_queue, full_queue, error_count, stepping, times_restarted,
+def actor(actor_index, flags, free_queue, full_queue, error_count, busy_since, times_restarted,
           model, weights_step, schema, buffers, state_buffers):
     """An actor process (started by beast/actor_processes.py): takes free buffer indices,
-    fills them, hands them on.
-    error_count, stepping: the shared environment-restart count and the value the actor's
+    fills them, hands them on, until it takes a None.
+    error_count, busy_since: the shared environment-restart count and the value the actor's
     Sampler writes for the watchdog. times_restarted: how often the actors were started
     again (train_with_actors): new seeds each time.
     weights_step: the learner step of model's weights (learner.Learner.weights_step)."""
     system.leave_stop_signals_to_the_learner()
     system.name_os_thread(f"actor-{actor_index}")
+    actor_processes.print_stack_when_hung()
     torch.set_num_threads(1)
     torch.manual_seed(flags.seed * 7919 + actor_index + 1_000_003 * times_restarted)
     # A learner killed outright sends no stop, and the other actors keep the queue's pipe
@@ -339,7 +347,7 @@ def actor(actor_index, flags, free_queue, full_queue, error_count, stepping, tim
         sampler = Sampler(flags, model, schema, buffers, state_buffers, flags.envs_per_actor,
                           seed=flags.seed * 100 + actor_index + 1_000_003 * times_restarted,
                           error_count=error_count, name=f"actor {actor_index}",
-                          stepping=stepping, weights_step=weights_step)
+                          busy_since=busy_since, weights_step=weights_step)
         while True:
             indices = []
             for _ in range(flags.envs_per_actor):
@@ -350,8 +358,13 @@ def actor(actor_index, flags, free_queue, full_queue, error_count, stepping, tim
             sampler.unroll(indices)
             for index in indices:
                 full_queue.put(index)
-    except training.UserError as e:  # the learner gives the message (get_batch)
+    except training.UserError as e:
+        # The learner gives the message (get_batch) and stops the actors. Until then this one
+        # waits: an actor that ends before its stop is one that died (ActorProcesses.check).
+        busy_since.value = 0.0
         full_queue.put(str(e))
+        while free_queue.get() is not None:
+            pass
     finally:
         if sampler is not None:
             sampler.close()

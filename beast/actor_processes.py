@@ -2,6 +2,8 @@
 between them and the learner, the watchdog that finds a dead or hung actor, and their stop.
 The actors' own loop is monobeast.actor; when to start them again is beast/restarts.py."""
 
+import faulthandler
+import os
 import signal
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -17,7 +19,7 @@ class ActorProcesses:
 
     def __init__(self, flags, target, shared, times_restarted=0, env_errors=0):
         """Starts flags.num_actors processes of target(i, flags, free_queue, full_queue,
-        error_count, stepping, times_restarted, *shared) (monobeast.actor), then hands them
+        error_count, busy_since, times_restarted, *shared) (monobeast.actor), then hands them
         every buffer index."""
         self.flags = flags
         ctx = mp.get_context("fork")
@@ -25,11 +27,11 @@ class ActorProcesses:
         self.error_count = ctx.Value("i", 0)
         self.env_errors_before = env_errors
         # Lock-free: one writer each, and a killed actor must not leave a lock held.
-        self.stepping = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
+        self.busy_since = [ctx.Value("d", 0.0, lock=False) for _ in range(flags.num_actors)]
         self.processes = [
             ctx.Process(target=target, name=f"actor-{i}", daemon=True,
                         args=(i, flags, self.free_queue, self.full_queue, self.error_count,
-                              self.stepping[i], times_restarted, *shared))
+                              self.busy_since[i], times_restarted, *shared))
             for i in range(flags.num_actors)]
         self.started = time.monotonic()
         for process in self.processes:
@@ -38,13 +40,16 @@ class ActorProcesses:
             self.free_queue.put(m)
 
     def check(self):
-        """Raises ActorDied for an actor that died, or that hangs (it is killed first)."""
+        """Raises ActorDied for an actor that ended, or that hangs (its stack is printed, then
+        it is killed)."""
         restarts.check_actors(self.processes)
         timeout = self.flags.actor_timeout_s
-        for i, since in enumerate(value.value for value in self.stepping):
-            if timeout > 0 and since > 0 and time.time() - since > timeout:
+        for i, since in enumerate(value.value for value in self.busy_since):
+            hung_s = time.time() - since
+            if timeout > 0 and since > 0 and hung_s > timeout:
+                print_stack_of(self.processes[i])
                 self.processes[i].kill()
-                raise restarts.ActorDied(i, -signal.SIGKILL, hung_s=time.time() - since)
+                raise restarts.ActorDied(i, -signal.SIGKILL, hung_s=hung_s)
 
     def env_errors(self):
         # Without the counter's lock: a killed actor may have held it.
@@ -68,6 +73,27 @@ class ActorProcesses:
             thread.join(timeout=60)
         restarts.join_actors(self.processes)
         return self.env_errors()
+
+
+STACK_SIGNAL = signal.SIGUSR1
+STACK_WAIT_S = 1.0
+
+
+def print_stack_when_hung():
+    """In an actor: its threads' Python stacks go to stderr on STACK_SIGNAL, from a C-level
+    handler that needs neither the GIL nor the thread that hangs. To file descriptor 2, which
+    is there even where sys.stderr is no file (a notebook, a captured test)."""
+    faulthandler.register(STACK_SIGNAL, file=2, all_threads=True)
+
+
+def print_stack_of(process):
+    """Asks a hung actor for its stacks (print_stack_when_hung), and gives it STACK_WAIT_S to
+    write them, so that the kill that follows leaves a record of where it hung."""
+    try:
+        os.kill(process.pid, STACK_SIGNAL)
+    except ProcessLookupError:  # it ended meanwhile
+        return
+    time.sleep(STACK_WAIT_S)
 
 
 def put_unlocked(simple_queue, item):

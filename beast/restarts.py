@@ -68,8 +68,10 @@ class ActorDied(RuntimeError):
     def __init__(self, index, exitcode, hung_s=None):
         self.exitcode = exitcode
         if hung_s is not None:
-            how = (f"had been stepping its environments for {hung_s:.0f} s without finishing "
-                   "a step (--actor_timeout_s), and was killed")
+            how = (f"had spent {hung_s:.0f} s on one environment step or forward pass "
+                   "(--actor_timeout_s); its stack is above, and it was killed")
+        elif exitcode == 0:
+            how = "exited before it was told to stop"
         elif exitcode < 0:
             how = how_it_ended(exitcode)
         else:
@@ -78,9 +80,10 @@ class ActorDied(RuntimeError):
 
 
 def check_actors(actors):
-    """Raises ActorDied if an actor process has died."""
+    """Raises ActorDied if an actor process has ended: an actor runs until it is told to stop,
+    so any end before that (a clean exit included) leaves the learner waiting on it."""
     for i, process in enumerate(actors):
-        if process.exitcode not in (None, 0):
+        if process.exitcode is not None:
             raise ActorDied(i, process.exitcode)
 
 
