@@ -239,9 +239,8 @@ class Sampler:
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
                  error_count=None, name="actor", busy_since=None, weights_step=None):
         self.flags = flags
-        # Where this actor says since when it has been on its current piece of work (time.time();
-        # 0: it waits for buffers), for the learner's watchdog (ActorProcesses.check); None:
-        # nobody watches.
+        # Since when this actor has been on its current step or forward pass (time.time(); 0:
+        # it waits for buffers), for the learner's watchdog (ActorProcesses.check); None: unwatched.
         self.busy_since = busy_since
         self._busy()
         self.model = model
@@ -358,12 +357,10 @@ def actor(actor_index, flags, free_queue, full_queue, error_count, busy_since, t
             sampler.unroll(indices)
             for index in indices:
                 full_queue.put(index)
-    except training.UserError as e:
-        # The learner gives the message (get_batch) and stops the actors. Until then this one
-        # waits: an actor that ends before its stop is one that died (ActorProcesses.check).
+    except training.UserError as e:  # the learner says it (get_batch), then stops the actors
         busy_since.value = 0.0
         full_queue.put(str(e))
-        while free_queue.get() is not None:
+        while free_queue.get() is not None:  # an end before the stop would count as a death
             pass
     finally:
         if sampler is not None:
