@@ -71,9 +71,9 @@ def make_parser():
              "(costs some speed).")
     groups.operations.add_argument(
         "--actor_timeout_s", type=beast_flags.Number(float, low=0), default=30.0,
-        help="Kill and start the actors again when one has spent this long on one environment "
-             "step or one forward pass of its model (a hung environment, a stuck process); its "
-             "Python stack is printed first. 0: never. Not with --deterministic.")
+        help="Kill and start the actors again when one has spent this long on one step, its "
+             "environments' and its model's forward pass (a hung environment, a stuck process); "
+             "its Python stack is printed first. 0: never. Not with --deterministic.")
     return parser
 
 
@@ -239,8 +239,9 @@ class Sampler:
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
                  error_count=None, name="actor", busy_since=None, weights_step=None):
         self.flags = flags
-        # Since when this actor has been on its current step or forward pass (time.time(); 0:
-        # it waits for buffers), for the learner's watchdog (ActorProcesses.check); None: unwatched.
+        # Since when this actor has been on its current step, its environments' and its model's
+        # (time.time(); 0: it waits for buffers), for the learner's watchdog
+        # (ActorProcesses.check); None: unwatched.
         self.busy_since = busy_since
         self._busy()
         self.model = model
@@ -281,7 +282,6 @@ class Sampler:
             array[...] = env_outputs[key]
 
     def _act(self):
-        self._busy()
         inputs = {k: v.unsqueeze(0) for k, v in self.current_torch.items()}
         self.state_before = self.agent_state
         # Before the forward pass: the learner may write newer weights during it.
@@ -302,8 +302,9 @@ class Sampler:
         self._store(self.envs.step(self.agent_output["action"]))
 
     def _busy(self, busy=True):
-        """Each environment step and each forward pass starts the watchdog's clock again, so
-        it finds a hang in either (a stuck environment, a lock that a fork copied held)."""
+        """Each step starts the watchdog's clock again: the environments' step and the forward
+        pass after it, so that it finds a hang in either (a stuck environment, a lock that a
+        fork copied held)."""
         if self.busy_since is not None:
             self.busy_since.value = time.time() if busy else 0.0
 

@@ -51,7 +51,7 @@ def test_an_actor_stuck_in_its_forward_pass_prints_its_stack_and_is_started_agai
                            "--actor_timeout_s", "1"]) == 0
     err = capfd.readouterr().err
     assert not marker.exists()
-    assert "Actor process 0 had spent 1 s on one environment step or forward pass" in err, err
+    assert "Actor process 0 had spent 1 s on one step of its environments and model" in err, err
     assert "in hang_in_the_forward_pass" in err  # where it hung, from faulthandler
     assert "(restart 1)" in err and "Trained to step 400" in err + capfd.readouterr().out
 
