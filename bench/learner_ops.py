@@ -31,7 +31,7 @@ def parse_net(text):
     if model not in ("atari", "resnet") or not batch.isdigit():
         raise argparse.ArgumentTypeError(
             f"--net {text!r}: expected atari@B or resnet:C1,C2,C3@B, e.g. resnet:8,16,16@8")
-    net = ceilings.ATARI_NET._replace(model=model, hidden_size=256 if model == "resnet" else 128)
+    net = ceilings.ATARI_NET._replace(model=model)
     if channels:
         net = net._replace(channels=channels)
     return net, int(batch)

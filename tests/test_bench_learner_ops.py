@@ -9,7 +9,7 @@ from bench import learner_ops
 
 def test_a_net_is_read_from_its_model_channels_and_batch():
     net, batch_size = learner_ops.parse_net("resnet:8,16,16@8")
-    assert (net.model, net.channels, net.hidden_size, batch_size) == ("resnet", "8,16,16", 256, 8)
+    assert (net.model, net.channels, batch_size) == ("resnet", "8,16,16", 8)
     net, batch_size = learner_ops.parse_net("atari@4")
     assert (net.model, net.observation_shape, batch_size) == ("atari", (4, 84, 84), 4)
     for text in ("mlp@4", "resnet:8,16,16", "atari@four"):
