@@ -273,20 +273,30 @@ def _measure_envpool(env_id, num_envs, batch_size, num_threads, seconds, chunks)
     return dict(summary(rates), core_us=core_us)
 
 
-def _measure_learner(net, precision, threads, unroll_length, batch_size, min_steps, budget_s):
+def learner_step(net, precision, unroll_length, batch_size, compile_torso=False):
+    """A function that makes one learner step (learn_step, then the schedule) of `net` on one
+    fixed random rollout of [unroll_length + 1, batch_size], in the learner's layout; with
+    compile_torso, the torso under torch.compile (bench.learner_ops)."""
     flags, info = net_flags(net, precision)
     flags.unroll_length, flags.batch_size = unroll_length, batch_size
     torch.manual_seed(0)
+    model = models.to_learning_layout(build_net(flags, info))
+    if compile_torso:
+        model.torso = torch.compile(model.torso)
+    optimizer, scheduler = learner.create_optimizer(flags, model)
+    batch = random_rollout(flags, info, unroll_length + 1, batch_size)
+    state = model.initial_state(batch_size)
+
+    def step():
+        learner.learn_step(flags, model, optimizer, batch, state)
+        scheduler.step()
+
+    return step
+
+
+def _measure_learner(net, precision, threads, unroll_length, batch_size, min_steps, budget_s):
     with torch_threads(threads):
-        model = models.to_learning_layout(build_net(flags, info))
-        optimizer, scheduler = learner.create_optimizer(flags, model)
-        batch = random_rollout(flags, info, unroll_length + 1, batch_size)
-        state = model.initial_state(batch_size)
-
-        def step():
-            learner.learn_step(flags, model, optimizer, batch, state)
-            scheduler.step()
-
+        step = learner_step(net, precision, unroll_length, batch_size)
         # Two untimed steps: the first one allocates and (bf16) picks oneDNN kernels.
         times = time_calls(step, min_steps, budget_s, warmup=2)
     return summary(times)

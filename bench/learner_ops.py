@@ -4,11 +4,12 @@ torch.compile, and the operators that take that time.
     python -m bench.learner_ops          # the Atari net at B=4, the ResNet at 8,16,16 at B=8
     python -m bench.learner_ops --net resnet:16,32,32@32 --precision fp32 --no_compile
 
-Each case is `beast.learner.learn_step` on a random Atari rollout of T=20 (as
-bench.ceilings' learner step, with the kind's defaults), in the learner's layout, with
---threads intra-op threads. Under torch.compile the torso (the part the network defines) is
-compiled with the default backend; the first steps, which compile it, are not timed. The
-operator table is torch.profiler's, summed over the timed eager steps of each network.
+Each case is bench.ceilings' learner step (`beast.learner.learn_step` on a random Atari
+rollout of the Atari kind's T and other defaults, the learner's layout) with --threads
+intra-op threads. Under torch.compile the torso (the part the network defines) is compiled
+with the default backend; the first steps, which compile it, are not timed. The operator
+table is torch.profiler's, over --calls more eager steps of each network after the timed
+ones (the profiler adds its own time to each operator's).
 Measured, not asserted: a markdown report on stdout.
 """
 
@@ -18,10 +19,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from beast import flags as beast_flags
 from bench import ceilings
-from beast import learner, models
 
 DEFAULT_NETS = ("atari@4", "resnet:8,16,16@8")
+UNROLL_LENGTH = beast_flags.ENV_DEFAULTS["atari"]["unroll_length"]
 
 
 def parse_net(text):
@@ -35,20 +37,6 @@ def parse_net(text):
     if channels:
         net = net._replace(channels=channels)
     return net, int(batch)
-
-
-def learner_step(net, batch_size, precision, compiled):
-    """A function that makes one learner step of `net` on one fixed random rollout."""
-    flags, info = ceilings.net_flags(net, precision)
-    flags.batch_size = batch_size
-    torch.manual_seed(0)
-    model = models.to_learning_layout(ceilings.build_net(flags, info))
-    if compiled:
-        model.torso = torch.compile(model.torso)
-    optimizer, _ = learner.create_optimizer(flags, model)
-    batch = ceilings.random_rollout(flags, info, flags.unroll_length + 1, batch_size)
-    state = model.initial_state(batch_size)
-    return (lambda: learner.learn_step(flags, model, optimizer, batch, state)), flags.unroll_length
 
 
 def top_operators(step, calls, rows):
@@ -84,11 +72,11 @@ def main(argv=None):
     operators = {}
     for net, batch_size in nets:
         for compiled in (False,) if args.no_compile else (False, True):
-            step, unroll_length = learner_step(net, batch_size, args.precision, compiled)
+            step = ceilings.learner_step(net, args.precision, UNROLL_LENGTH, batch_size, compiled)
             median = ceilings.summary(ceilings.time_calls(step, args.calls, 0, warmup=3))["median"]
             label = ceilings.net_label(net)
             print(f"| {label} | {batch_size} | {'torch.compile' if compiled else 'eager'} | "
-                  f"{median * 1e3:.1f} | {median * 1e6 / (unroll_length * batch_size):.0f} |",
+                  f"{median * 1e3:.1f} | {median * 1e6 / (UNROLL_LENGTH * batch_size):.0f} |",
                   flush=True)
             if not compiled:
                 operators[(label, batch_size)] = top_operators(step, args.calls, args.top)
