@@ -41,7 +41,8 @@ from beast import vector_envs
 # Actor processes on a laptop: one per core, so that a run learns the same way everywhere.
 DEFAULT_NUM_ACTORS = 2
 # Environments each actor steps together, by kind of environment (beast/flags.py ENV_DEFAULTS).
-ENVS_PER_ACTOR = {"atari": 8, "image": 32, "vector": 32, "continuous": 16, "nethack": 16}
+ENVS_PER_ACTOR = {"atari": 8, "sticky_atari": 8, "image": 32, "vector": 32, "continuous": 16,
+                  "nethack": 16}
 
 
 def make_parser():
@@ -239,9 +240,8 @@ class Sampler:
     def __init__(self, flags, model, schema, buffers, state_buffers, num_envs, seed,
                  error_count=None, name="actor", busy_since=None, weights_step=None):
         self.flags = flags
-        # Since when this actor has been on its current step, its environments' and its model's
-        # (time.time(); 0: it waits for buffers), for the learner's watchdog
-        # (ActorProcesses.check); None: unwatched.
+        # Since when this actor has been on its current step (time.time(); 0: it waits for
+        # buffers), for the learner's watchdog (ActorProcesses.check); None: unwatched.
         self.busy_since = busy_since
         self._busy()
         self.model = model

@@ -65,8 +65,6 @@ class AtariPreprocessing(gymnasium.Wrapper):
     apply all the same.
     """
 
-    ENV_KIND = "atari"  # beast/envs.py env_kind: the kind whose defaults a run takes
-
     def __init__(self, env, noop_max=NOOP_MAX, frame_skip=4, frame_stack=4, screen_size=84,
                  episodic_life=False, fire_reset=True):
         super().__init__(env)
@@ -86,6 +84,8 @@ class AtariPreprocessing(gymnasium.Wrapper):
         if frame_skip < 2:
             raise ValueError("frame_skip must be >= 2: the last two frames are max-pooled")
         self.ale = atari.ale
+        # beast/envs.py env_kind: the kind whose defaults a run takes.
+        self.env_kind = sticky_kind(self.ale.getFloat("repeat_action_probability"))
         self.noop_max = noop_max
         self.frame_skip = frame_skip
         self.frame_stack = frame_stack
@@ -207,6 +207,12 @@ def sticky_action_probability(flags, spec_kwargs):
     """--repeat_action_probability, or the id's own value (v5 and v0: 0.25, v4: 0.0) when None."""
     value = flags.repeat_action_probability
     return spec_kwargs.get("repeat_action_probability", 0.25) if value is None else value
+
+
+def sticky_kind(probability):
+    """The kind of environment (beast/flags.py KIND_LABELS) of Atari at this sticky-action
+    probability: sticky actions learn best with defaults of their own."""
+    return "sticky_atari" if probability > 0 else "atari"
 
 
 def full_action_space(flags, spec_kwargs):

@@ -68,10 +68,10 @@ class EnvPoolSingle(gymnasium.Env):
     """One EnvPool env (num_envs=1) as a plain Gymnasium env, so that RolloutAdapter can drive
     it."""
 
-    ENV_KIND = "atari"  # beast/envs.py env_kind: the kind whose defaults a run takes
-
     def __init__(self, pool):
         self.pool = pool
+        # beast/envs.py env_kind: the kind whose defaults a run takes.
+        self.env_kind = atari_wrappers.sticky_kind(pool.config["repeat_action_probability"])
         self.observation_space = pool.observation_space
         self.action_space = pool.action_space
         self._action = np.zeros(1, dtype=np.int32)

@@ -273,15 +273,16 @@ def fill_family_flags(flags):
 
 def env_kind(env):
     """"atari" when our Atari preprocessing (or EnvPool's) is anywhere inside `env`, whatever wraps
-    it; "nethack" when NetHackEnv is (every NetHack env from create_env); otherwise "image"
-    for [C, H, W] observations, "continuous" for other observations with a
-    Box action space (continuous control: Pendulum, MuJoCo) and "vector" for the rest. The kind
-    picks the defaults of beast/flags.py; the action space alone picks the policy head, so an
-    image env with a Box action space gets the image defaults and a Gaussian policy."""
+    it ("sticky_atari" when its emulator repeats actions); "nethack" when NetHackEnv is (every
+    NetHack env from create_env); otherwise "image" for [C, H, W] observations, "continuous"
+    for other observations with a Box action space (continuous control: Pendulum, MuJoCo) and
+    "vector" for the rest. The kind picks the defaults of beast/flags.py; the action space
+    alone picks the policy head, so an image env with a Box action space gets the image
+    defaults and a Gaussian policy."""
     layer = env
     while layer is not None:
         # AtariPreprocessing, EnvPoolSingle and NetHackEnv name their kind.
-        kind = getattr(type(layer), "ENV_KIND", None)
+        kind = getattr(layer, "env_kind", None)
         if kind is not None:
             return kind
         layer = getattr(layer, "env", None)
@@ -295,12 +296,12 @@ def env_info(flags):
 
     Returns dict(observation_shape: tuple, observation_dtype: np.dtype (for a Dict observation
     {entry: shape} and {entry: dtype}, see observation_layout), num_actions: int,
-    continuous: bool, action_low and action_high, kind: "atari" | "nethack" | "image" |
-    "continuous" | "vector" (see env_kind), env_fields: the rollout fields the environment side
-    writes (beast/rollout.py)). For a Discrete action space num_actions is its size and the
-    bounds are None; for a Box of shape [A] (continuous) num_actions is A and the bounds are
-    its float64 [A] low and high. Raises ValueError for another action space or a bad rollout_fields
-    declaration.
+    continuous: bool, action_low and action_high, kind: "atari" | "sticky_atari" |
+    "nethack" | "image" | "continuous" | "vector" (see env_kind), env_fields: the rollout
+    fields the environment side writes (beast/rollout.py)). For a Discrete action space
+    num_actions is its size and the bounds are None; for a Box of shape [A] (continuous)
+    num_actions is A and the bounds are its float64 [A] low and high. Raises ValueError for
+    another action space or a bad rollout_fields declaration.
     """
     env = create_env(flags)
     try:

@@ -83,7 +83,7 @@ class NetHackEnv(gymnasium.Wrapper):
     environment plays the same games again; without a seed, NLE draws its own.
     """
 
-    ENV_KIND = "nethack"  # beast/envs.py env_kind: the kind whose defaults a run takes
+    env_kind = "nethack"  # beast/envs.py env_kind: the kind whose defaults a run takes
 
     def __init__(self, env):
         super().__init__(env)

@@ -58,9 +58,9 @@ STALLED_S = 60.0
 @dataclasses.dataclass(frozen=True)
 class EnvSpec:
     """What the run knows of its environment, read once from one instance before any work
-    (envs.env_info): kind ("atari", "image", "vector", "continuous", "nethack"; the flag
-    table's key), observation_shape and observation_dtype (dicts of them for a Dict
-    observation), num_actions (a Box's dimension when continuous), action_low and
+    (envs.env_info): kind ("atari", "sticky_atari", "image", "vector", "continuous",
+    "nethack"; the flag table's key), observation_shape and observation_dtype (dicts of them
+    for a Dict observation), num_actions (a Box's dimension when continuous), action_low and
     action_high (a Box's float64 [A] bounds, else None), env_fields (the rollout fields the
     environment writes)."""
 
@@ -542,7 +542,7 @@ def start_process(flags, env):
     # Atari's learner step frees a few hundred MB that it allocates again at the next step;
     # before the learner's threads start, which pick their malloc arena at their first
     # allocation.
-    if env.kind == "atari":
+    if env.kind in ("atari", "sticky_atari"):
         system.reuse_freed_memory()
     torch.manual_seed(flags.seed)
     np.random.seed(flags.seed)

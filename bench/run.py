@@ -40,7 +40,11 @@ from bench import null_env  # noqa: E402
 from bench import nullprofile  # noqa: E402
 
 SECTIONS = ("env", "learner", "inference", "bound", "e2e", "profile")
-ENV_IDS = ("ALE/Pong-v5", "CartPole-v1", null_env.ENV_ID)
+# Pong as the Atari kind runs it (no sticky actions: the Atari net's defaults), and with the
+# sticky actions of its v5 id, which take the defaults of their own kind.
+PONG = "PongNoFrameskip-v4"
+STICKY_PONG = "ALE/Pong-v5"
+ENV_IDS = (PONG, STICKY_PONG, "CartPole-v1", null_env.ENV_ID)
 # NetHack's stepping when nle is installed (its own optional dependency).
 if importlib.util.find_spec("nle") is not None:
     ENV_IDS += ("NetHackScore-v0",)
@@ -59,46 +63,51 @@ def _pong_workloads():
     W = endtoend.Workload
     tb_atari = ["--batch_size", "8", "--unroll_length", "80"]
     return [
-        W("mono-pong-tb", "monobeast", "ALE/Pong-v5",
+        W("mono-pong-tb", "monobeast", PONG,
           "TorchBeast's",
           ["--num_actors", "4", "--envs_per_actor", "1", *tb_atari]),
-        W("mono-pong-default", "monobeast", "ALE/Pong-v5", "repo defaults", []),
-        W("mono-pong-deterministic", "monobeast", "ALE/Pong-v5", "repo defaults, --deterministic",
+        W("mono-pong-default", "monobeast", PONG, "repo defaults", []),
+        W("mono-pong-deterministic", "monobeast", PONG, "repo defaults, --deterministic",
           ["--deterministic"]),
         # The defaults' precision is auto (bf16 on a CPU with bf16 instructions); these
         # pin it, so that a report shows what each side gains on any machine.
-        W("mono-pong-fp32", "monobeast", "ALE/Pong-v5", "repo defaults, fp32 everywhere",
+        W("mono-pong-fp32", "monobeast", PONG, "repo defaults, fp32 everywhere",
           ["--precision", "fp32", "--acting_precision", "fp32"]),
-        W("mono-pong-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 learner only",
+        W("mono-pong-bf16", "monobeast", PONG, "repo defaults, bf16 learner only",
           ["--precision", "bf16", "--acting_precision", "fp32"]),
-        W("mono-pong-all-bf16", "monobeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
+        W("mono-pong-all-bf16", "monobeast", PONG, "repo defaults, bf16 everywhere",
           ["--precision", "bf16", "--acting_precision", "bf16"]),
-        W("mono-pong-envpool", "monobeast", "ALE/Pong-v5", "repo defaults, EnvPool",
+        W("mono-pong-envpool", "monobeast", PONG, "repo defaults, EnvPool",
           ["--env_backend", "envpool"]),
         # What the settings that might learn more per step cost per second: the IMPALA
         # ResNet, Adam, and twice the games in flight.
-        W("mono-pong-resnet", "monobeast", "ALE/Pong-v5", "repo defaults, --model resnet",
+        W("mono-pong-resnet", "monobeast", PONG, "repo defaults, --model resnet",
           ["--model", "resnet"]),
         # Cleanba's updates (B=32 at 6e-4, 16 games an actor) with each network: the per-step
         # comparisons of docs/results.md ran at this batch.
-        W("mono-pong-b32", "monobeast", "ALE/Pong-v5", "Cleanba's batch, the Atari net",
+        W("mono-pong-b32", "monobeast", PONG, "Cleanba's batch, the Atari net",
           CLEANBA_BATCH),
-        W("mono-pong-resnet-b32", "monobeast", "ALE/Pong-v5", "Cleanba's batch, the ResNet",
+        W("mono-pong-resnet-b32", "monobeast", PONG, "Cleanba's batch, the ResNet",
           ["--model", "resnet", *CLEANBA_BATCH]),
-        W("mono-pong-resnet8-b32", "monobeast", "ALE/Pong-v5",
+        W("mono-pong-resnet8-b32", "monobeast", PONG,
           "Cleanba's batch, the ResNet at 8,16,16",
           ["--model", "resnet", "--channels", "8,16,16", *CLEANBA_BATCH]),
-        W("mono-pong-adam", "monobeast", "ALE/Pong-v5", "repo defaults, --optimizer adam",
+        W("mono-pong-adam", "monobeast", PONG, "repo defaults, --optimizer adam",
           ["--optimizer", "adam"]),
-        W("mono-pong-ep16", "monobeast", "ALE/Pong-v5", "repo defaults, 16 games an actor",
+        W("mono-pong-ep16", "monobeast", PONG, "repo defaults, 16 games an actor",
           ["--envs_per_actor", "16"]),
-        W("poly-pong-tb", "polybeast", "ALE/Pong-v5", "TorchBeast's",
+        # With sticky actions Pong takes the defaults of its own kind (the narrow ResNet).
+        W("mono-pong-sticky-default", "monobeast", STICKY_PONG, "repo defaults (narrow ResNet)",
+          []),
+        W("poly-pong-tb", "polybeast", PONG, "TorchBeast's",
           ["--num_actors", "4", "--envs_per_stream", "1", *tb_atari]),
-        W("poly-pong-default", "polybeast", "ALE/Pong-v5", "repo defaults", []),
-        W("poly-pong-fp32", "polybeast", "ALE/Pong-v5", "repo defaults, fp32 everywhere",
+        W("poly-pong-default", "polybeast", PONG, "repo defaults", []),
+        W("poly-pong-fp32", "polybeast", PONG, "repo defaults, fp32 everywhere",
           ["--precision", "fp32", "--acting_precision", "fp32"]),
-        W("poly-pong-all-bf16", "polybeast", "ALE/Pong-v5", "repo defaults, bf16 everywhere",
+        W("poly-pong-all-bf16", "polybeast", PONG, "repo defaults, bf16 everywhere",
           ["--precision", "bf16", "--acting_precision", "bf16"]),
+        W("poly-pong-sticky-default", "polybeast", STICKY_PONG, "repo defaults (narrow ResNet)",
+          []),
     ]
 
 
@@ -274,11 +283,11 @@ def section_env(report, ceil, cores):
         rows.append([env_id, f"gymnasium, {ceilings.VECTOR_ENVS} envs", fmt(r["median"]),
                      f"{fmt(r['min'])} - {fmt(r['max'])}", fmt(r["core_us"])])
     for label, num_envs, batch, threads in envpool_cases(cores):
-        r = ceil.envpool("ALE/Pong-v5", num_envs, batch, threads)
+        r = ceil.envpool(PONG, num_envs, batch, threads)
         if r is None:
             report.note("EnvPool is not installed (pip install envpool): its rows are missing.")
             break
-        rows.append(["ALE/Pong-v5", f"EnvPool {label}: {num_envs} envs, batch {batch}",
+        rows.append([PONG, f"EnvPool {label}: {num_envs} envs, batch {batch}",
                      fmt(r["median"]), f"{fmt(r['min'])} - {fmt(r['max'])}",
                      fmt(r["core_us"])])
     report.section(
@@ -287,7 +296,7 @@ def section_env(report, ceil, cores):
         "Random actions. gymnasium: one process steps a vector env of "
         f"{ceilings.VECTOR_ENVS} (`beast.vector_envs`, as an actor or a server stream does; "
         "each env a `RolloutAdapter(create_env(flags))`; Pong: our DeepMind-style "
-        "preprocessing, sticky actions of ALE/Pong-v5). EnvPool: "
+        "preprocessing, without sticky actions and with them). EnvPool: "
         "`envpool.make` with the same preprocessing, send/recv (asynchronous when the batch "
         "is smaller than the pool). core-us/step: CPU time of the process, all its threads, "
         "per step.")
@@ -399,7 +408,7 @@ def section_bound(report, ceil, resolved, cores):
 def log_interval_for(workload, bound, rows_per_second):
     """A multiple of T*B so that rows come at most rows_per_second at the bound."""
     steps = workload.flags.unroll_length * workload.flags.batch_size
-    sps = bound["sps"] if bound else {"ALE/Pong-v5": 1000, "CartPole-v1": 8000}.get(
+    sps = bound["sps"] if bound else {PONG: 1000, STICKY_PONG: 500, "CartPole-v1": 8000}.get(
         workload.env, 16000)
     return steps * max(1, int(sps / rows_per_second / steps))
 

@@ -470,11 +470,29 @@ def test_envpool_refuses_wrappers_by_name(monkeypatch):
 
 
 def test_atari_is_recognised_whatever_wraps_it(monkeypatch):
-    """Pong in a wrapper keeps the Atari defaults (kind "atari"), not the small-image ones."""
+    """Pong in a wrapper keeps the Atari defaults, not the small-image ones."""
     monkeypatch.setattr(envs, "WRAPPERS", (gymnasium.wrappers.RecordEpisodeStatistics,))
-    info = envs.env_info(make_flags("ALE/Pong-v5"))
-    assert info["kind"] == "atari"
+    assert envs.env_info(make_flags("ALE/Pong-v5"))["kind"] == "sticky_atari"
+    assert envs.env_info(make_flags("PongNoFrameskip-v4"))["kind"] == "atari"
     assert envs.env_info(make_flags("CartPole-v1"))["kind"] == "vector"
+
+
+@pytest.mark.parametrize("backend", ["gymnasium", "envpool"])
+@pytest.mark.parametrize("env_id, probability, kind", [
+    ("ALE/Pong-v5", None, "sticky_atari"), ("ALE/Pong-v5", 0.0, "atari"),
+    ("PongNoFrameskip-v4", None, "atari"), ("PongNoFrameskip-v4", 0.25, "sticky_atari")])
+def test_the_emulators_sticky_actions_pick_the_kind(backend, env_id, probability, kind):
+    """The kind follows the probability the emulator runs with, the id's own (v5: 0.25, v4:
+    0) or --repeat_action_probability's, on either backend: the defaults follow the
+    protocol, not the id's spelling."""
+    if backend == "envpool":
+        pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+    flags = make_flags(env_id, repeat_action_probability=probability, env_backend=backend)
+    env = envs.create_env(flags)
+    try:
+        assert envs.env_kind(env) == kind
+    finally:
+        env.close()
 
 
 def test_a_wrapper_inside_the_atari_preprocessing_is_refused():

@@ -79,6 +79,8 @@ def stated_defaults(help_text, action):
             return int(text.replace(",", ""))
         if value_type(action) is float:
             return float(text)
+        if action.type is beast_flags.channel_list:
+            return action.type(text)
         return text
 
     kind_of_label = {label: kind for kind, label in KIND_LABELS.items()}
@@ -137,10 +139,12 @@ def test_help_states_the_env_defaults_table(make_parser):
     if make_parser is common_parser:
         helps = rendered_help(parser)
         # Spot checks of the reader itself, against the values the issue named.
-        assert ("(default: 20 Atari, 20 other images, 80 vector, 20 continuous control, "
-                "80 NetHack)" in helps["--unroll_length"])
-        assert ("0.0006 Atari, 0.01 other images, 0.005 vector, 0.0 continuous control, "
-                "0.001 NetHack" in helps["--entropy_cost"])
+        assert ("(default: 20 Atari, 20 sticky Atari, 20 other images, 80 vector, 20 "
+                "continuous control, 80 NetHack)" in helps["--unroll_length"])
+        assert ("0.0006 Atari, 0.0006 sticky Atari, 0.01 other images, 0.005 vector, 0.0 "
+                "continuous control, 0.001 NetHack" in helps["--entropy_cost"])
+        assert ("(default: 16,32,32 Atari, 8,16,16 sticky Atari, 16,32,32 other images"
+                in helps["--channels"])
 
 
 def test_a_stale_hand_written_help_string_is_caught():
@@ -157,19 +161,19 @@ def test_a_stale_hand_written_help_string_is_caught():
 
 
 def test_describe_defaults():
-    table = {"atari": {"n": 4}, "image": {"n": 32}, "vector": {"n": 32}, "continuous": {"n": 16},
-             "nethack": {"n": 8}}
-    assert beast_flags.describe_defaults(table, "n") == \
-        "4 Atari, 32 other images, 32 vector, 16 continuous control, 8 NetHack"
-    assert beast_flags.describe_defaults({"atari": 4, "image": 32, "vector": 32,
-                                          "continuous": 16, "nethack": 8}) == \
-        "4 Atari, 32 other images, 32 vector, 16 continuous control, 8 NetHack"
+    table = {"atari": {"n": 4}, "sticky_atari": {"n": 8}, "image": {"n": 32},
+             "vector": {"n": 32}, "continuous": {"n": 16}, "nethack": {"n": 8}}
+    described = ("4 Atari, 8 sticky Atari, 32 other images, 32 vector, 16 continuous control, "
+                 "8 NetHack")
+    assert beast_flags.describe_defaults(table, "n") == described
+    assert beast_flags.describe_defaults({kind: row["n"] for kind, row in table.items()}) == \
+        described
     assert beast_flags.describe_defaults({k: 1_500_000 for k in KIND_LABELS}) == "1,500,000"
     assert beast_flags.describe_defaults({k: 5e-05 for k in KIND_LABELS}) == "5e-05"
     assert beast_flags.describe_defaults({k: True for k in KIND_LABELS}) == "on"
     with pytest.raises(ValueError, match="vector"):
         beast_flags.describe_defaults({"atari": 4, "image": 32})
-    with pytest.raises(ValueError, match="'n' for image"):
+    with pytest.raises(ValueError, match="'n' for sticky_atari, image"):
         beast_flags.describe_defaults({"atari": {"n": 4}, "image": {}, "vector": {"n": 1}}, "n")
 
 
@@ -189,6 +193,8 @@ def other_value(action, value):
         return -0.5 if value is None else value * 2 + 0.125  # negative: "--x=-0.5" must parse
     if action.type in (str, None):
         return "-odd/Id-v0" if value is None else value + "x"
+    if action.type is beast_flags.channel_list:
+        return [4] if value is None else value + [4]
     raise AssertionError(f"no other value for {action.option_strings[0]}: teach other_value")
 
 
@@ -196,6 +202,8 @@ def as_argv(action, value):
     option = action.option_strings[0]
     if isinstance(action, argparse.BooleanOptionalAction):
         return [option if value else action.option_strings[1]]
+    if isinstance(value, list):
+        return [f"{option}={','.join(map(str, value))}"]
     return [f"{option}={value}"]
 
 
@@ -255,6 +263,21 @@ def test_old_saved_flags_are_brought_up_to_date_in_one_place():
     assert not hasattr(flags, "retired_flag")
     flags.num_torch_threads = 1
     beast_flags.validate_flags(flags)
+
+
+def test_a_sticky_atari_run_saved_with_the_atari_net_resumes_as_it_trained():
+    """ALE/*-v5 runs saved while they took the Atari kind's defaults keep their network,
+    batch and loss on a resume under the sticky kind's, also one saved before --channels."""
+    parser = common_parser()
+    saved = vars(resumed_flags(parser, [], {}, kind="atari")).copy()
+    saved.update(env="ALE/Pong-v5")
+    for before_channels in (False, True):
+        if before_channels:
+            del saved["channels"]
+        flags = resumed_flags(parser, [], saved, kind="sticky_atari")
+        assert (flags.model, flags.batch_size, flags.pg_clip, flags.channels) == (
+            "atari", 4, 0.0, [16, 32, 32])
+        ckpt.check_compatible(saved, flags)
 
 
 def resumed_flags(parser, argv, saved, kind="vector"):

@@ -19,14 +19,15 @@ PER_START_FLAGS = frozenset({"no_start_servers", "server_addresses", "pipes_base
 # Vector tasks: many, so that each stream amortizes its round trip (gRPC, inference) over more
 # environments; not more, since every environment in flight adds to the policy lag, which
 # slows learning (docs/defaults.md).
-ENVS_PER_STREAM = {"atari": 2, "image": 32, "vector": 64, "continuous": 16, "nethack": 8}
+ENVS_PER_STREAM = {"atari": 2, "sticky_atari": 2, "image": 32, "vector": 64, "continuous": 16,
+                   "nethack": 8}
 # The env servers started here, by default: one per core, at most this many, hosting
 # DEFAULT_NUM_ACTORS x ENVS_PER_STREAM environments in all. With fewer cores than servers,
 # the extra processes only take turns, so fewer servers carry more environments each.
 DEFAULT_NUM_ACTORS = 4
 # On a GPU machine (beast/machine.py is_gpu_machine) the servers started here are one per core,
 # and Atari's streams carry 16 games each: the layout measured there (docs/performance.md).
-GPU_MACHINE_ENVS_PER_STREAM = {"atari": 16}
+GPU_MACHINE_ENVS_PER_STREAM = {"atari": 16, "sticky_atari": 16}
 
 
 def add_server_flags(groups):
