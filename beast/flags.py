@@ -36,54 +36,37 @@ PRECISIONS = ["auto", "fp32", "bf16"]
 ADAM_EPSILON = 1e-5
 RMSPROP_ONLY_FLAGS = ("alpha", "momentum")
 
+# TorchBeast's settings, but for the orthogonal init and batches of 4 x 20 steps.
+ATARI_DEFAULTS = dict(
+    model="atari",
+    init="orthogonal",
+    total_steps=50_000_000,
+    batch_size=4,
+    unroll_length=20,
+    learning_rate=0.00048,
+    epsilon=0.01,
+    entropy_cost=0.0006,
+    grad_norm_clipping=40.0,
+    lr_warmup_steps=0,
+    pg_clip=0.0,
+    hidden_size=128,
+    channels=[16, 32, 32],
+    reward_clipping="abs_one",
+    episodic_life=False,
+    discounting=0.99,
+    reward_scale=1.0,
+    precision="auto",
+    acting_precision="auto",
+)
+
 # Defaults by kind of environment, for the flags that default to None; every kind lists every
 # key. Why each value is what it is, with the runs that chose it: docs/defaults.md.
 ENV_DEFAULTS = {
-    # TorchBeast's settings, but for the orthogonal init and batches of 4 x 20 steps.
-    "atari": dict(
-        model="atari",
-        init="orthogonal",
-        total_steps=50_000_000,
-        batch_size=4,
-        unroll_length=20,
-        learning_rate=0.00048,
-        epsilon=0.01,
-        entropy_cost=0.0006,
-        grad_norm_clipping=40.0,
-        lr_warmup_steps=0,
-        pg_clip=0.0,
-        hidden_size=128,
-        channels=[16, 32, 32],
-        reward_clipping="abs_one",
-        episodic_life=False,
-        discounting=0.99,
-        reward_scale=1.0,
-        precision="auto",
-        acting_precision="auto",
-    ),
+    "atari": ATARI_DEFAULTS,
     # The Atari settings with the IMPALA ResNet at half its width, batches of 8 and a trust
     # region: with sticky actions they learn far more per step and per minute than the Atari net.
-    "sticky_atari": dict(
-        model="resnet",
-        init="orthogonal",
-        total_steps=50_000_000,
-        batch_size=8,
-        unroll_length=20,
-        learning_rate=0.00048,
-        epsilon=0.01,
-        entropy_cost=0.0006,
-        grad_norm_clipping=40.0,
-        lr_warmup_steps=0,
-        pg_clip=0.4,
-        hidden_size=128,
-        channels=[8, 16, 16],
-        reward_clipping="abs_one",
-        episodic_life=False,
-        discounting=0.99,
-        reward_scale=1.0,
-        precision="auto",
-        acting_precision="auto",
-    ),
+    "sticky_atari": dict(ATARI_DEFAULTS, model="resnet", channels=[8, 16, 16], batch_size=8,
+                         pg_clip=0.4),
     # MinAtar's: the IMPALA ResNet (it fits frames of any size), a trust region.
     "image": dict(
         model="resnet",
@@ -675,7 +658,7 @@ def apply_env_defaults(flags, kind, table=ENV_DEFAULTS, names=None):
                          f"{', '.join(KIND_LABELS)}")
     for key, value in table[kind].items():
         if (names is None or key in names) and getattr(flags, key) is None:
-            setattr(flags, key, value)
+            setattr(flags, key, list(value) if isinstance(value, list) else value)
     return flags
 
 

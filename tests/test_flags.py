@@ -287,6 +287,12 @@ def resumed_flags(parser, argv, saved, kind="vector"):
     return beast_flags.apply_env_defaults(flags, kind)
 
 
+def test_a_run_that_changes_its_list_flags_leaves_the_table_alone():
+    flags = beast_flags.apply_env_defaults(common_parser().parse_args([]), "sticky_atari")
+    flags.channels.append(32)
+    assert ENV_DEFAULTS["sticky_atari"]["channels"] == [8, 16, 16]
+
+
 def test_apply_env_defaults_rejects_an_unknown_kind_and_honours_names():
     flags = common_parser().parse_args([])
     with pytest.raises(ValueError, match="unknown environment kind 'pixels'"):
