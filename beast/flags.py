@@ -64,7 +64,7 @@ ATARI_DEFAULTS = dict(
 ENV_DEFAULTS = {
     "atari": ATARI_DEFAULTS,
     # The Atari settings with the IMPALA ResNet at half its width, batches of 8 and a trust
-    # region: with sticky actions they learn far more per step and per minute than the Atari net.
+    # region: with sticky actions they learn more per step and per minute than the Atari net.
     "sticky_atari": dict(ATARI_DEFAULTS, model="resnet", channels=[8, 16, 16], batch_size=8,
                          pg_clip=0.4),
     # MinAtar's: the IMPALA ResNet (it fits frames of any size), a trust region.
