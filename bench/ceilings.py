@@ -35,9 +35,11 @@ from beast import vector_envs
 
 # What a network needs to be built and fed: the observation, the actions and its width.
 # channels: the ResNet's section widths (--channels), "16,32,32" unless a workload types others.
+# kind: the environment kind whose defaults (loss flags, T, B) the learner takes (beast/flags.py
+# ENV_DEFAULTS); None: "atari" for images, "vector" otherwise.
 NetSpec = collections.namedtuple("NetSpec",
-                                 "model hidden_size observation_shape num_actions channels",
-                                 defaults=("16,32,32",))
+                                 "model hidden_size observation_shape num_actions channels kind",
+                                 defaults=("16,32,32", None))
 
 ATARI_NET = NetSpec("atari", 128, (4, 84, 84), 6)  # hidden_size: unused by the conv net
 CARTPOLE_NET = NetSpec("mlp", beast_flags.ENV_DEFAULTS["vector"]["hidden_size"], (4,), 2)
@@ -56,14 +58,14 @@ def net_flags(net, precision="fp32"):
     """MonoBeast's flags for a network, with the repo's defaults for that kind of input.
 
     Returns (flags, info) as the learner would see them: T, B, learning rate,
-    costs, etc. come from beast.flags ENV_DEFAULTS.
+    costs, etc. come from beast.flags ENV_DEFAULTS for net.kind.
     """
     is_image = len(net.observation_shape) == 3
     info = dict(
         observation_shape=tuple(net.observation_shape),
         observation_dtype=np.dtype(np.uint8 if is_image else np.float32),
         num_actions=net.num_actions,
-        kind="atari" if is_image else "vector",
+        kind=net.kind or ("atari" if is_image else "vector"),
     )
     argv = ["--model", net.model, "--hidden_size", str(net.hidden_size),
             "--channels", net.channels, "--precision", precision]

@@ -56,7 +56,7 @@ def resolve(workload):
     workload.flags = flags
     workload.net = ceilings.NetSpec(flags.model, flags.hidden_size,
                                     tuple(info.observation_shape), info.num_actions,
-                                    ",".join(map(str, flags.channels)))
+                                    ",".join(map(str, flags.channels)), info.kind)
     if workload.variant == "monobeast":
         # One forward pass per actor serves its envs_per_actor environments.
         workload.inference_batch = (flags.envs_per_actor if flags.num_actors > 0

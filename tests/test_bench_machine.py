@@ -118,3 +118,19 @@ def test_a_typed_precision_and_the_small_nets_defaults_stay_as_they_are():
                                                kind)
         beast_flags.resolve_precisions(flags, "cpu", cpu_bf16="AMX")
         assert (flags.precision, flags.acting_precision) == ("fp32", "fp32"), kind
+
+
+def test_the_bound_of_a_sticky_workload_times_the_learner_with_its_kinds_loss_flags():
+    """The compute bound of Pong with sticky actions times the learner as the run trains:
+    the trust region (pg_clip) and batches of 8 of its kind, not the Atari net's flags."""
+    pytest.importorskip("ale_py")
+    from bench import ceilings
+    from bench import endtoend
+
+    workload = endtoend.resolve(endtoend.Workload("k", "monobeast", "ALE/Pong-v5", "l", []))
+    assert workload.net.kind == "sticky_atari"
+    flags, info = ceilings.net_flags(workload.net)
+    assert (flags.model, flags.channels, flags.batch_size, flags.pg_clip) == (
+        "resnet", [8, 16, 16], 8, 0.4)
+    atari, _ = ceilings.net_flags(workload.net._replace(kind=None))
+    assert atari.pg_clip == 0.0
