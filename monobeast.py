@@ -72,9 +72,9 @@ def make_parser():
              "(costs some speed).")
     groups.operations.add_argument(
         "--actor_timeout_s", type=beast_flags.Number(float, low=0), default=30.0,
-        help="Kill and start the actors again when one has spent this long on one step, its "
-             "environments' and its model's forward pass (a hung environment, a stuck process); "
-             "its Python stack is printed first. 0: never. Not with --deterministic.")
+        help="Kill and start the actors again when one has spent this long on its start or one "
+             "step (environments and forward pass: a hung environment, a stuck process); its "
+             "Python stack is printed first. 0: never. Not with --deterministic.")
     return parser
 
 

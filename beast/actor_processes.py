@@ -34,14 +34,17 @@ class ActorProcesses:
                               self.busy_since[i], times_restarted, *shared))
             for i in range(flags.num_actors)]
         self.started = time.monotonic()
-        for process in self.processes:
+        for since, process in zip(self.busy_since, self.processes):
+            # The watchdog's clock runs from the fork: a child can hang before its Sampler
+            # starts the clock (on a lock that the fork copied held, in an at-fork handler).
+            since.value = time.time()
             process.start()
         for m in range(flags.num_buffers):
             self.free_queue.put(m)
 
     def check(self):
-        """Raises ActorDied for an actor that ended, or that hangs (its stack is printed, then
-        it is killed)."""
+        """Raises ActorDied for an actor that ended, or that hangs in its start or in a step
+        (its stack is printed, then it is killed)."""
         restarts.check_actors(self.processes)
         timeout = self.flags.actor_timeout_s
         for i, since in enumerate(value.value for value in self.busy_since):

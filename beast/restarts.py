@@ -68,8 +68,8 @@ class ActorDied(RuntimeError):
     def __init__(self, index, exitcode, hung_s=None):
         self.exitcode = exitcode
         if hung_s is not None:
-            how = (f"had spent {hung_s:.0f} s on one step of its environments and model "
-                   "(--actor_timeout_s); its stack is above, and it was killed")
+            how = (f"had spent {hung_s:.0f} s on its start or on one step of its environments "
+                   "and model (--actor_timeout_s); its stack is above, and it was killed")
         elif exitcode == 0:
             how = "exited before it was told to stop"
         elif exitcode < 0:

@@ -16,13 +16,14 @@ TINY = ["--num_actors", "1", "--batch_size", "2", "--unroll_length", "20", "--no
 CARTPOLE = [*TINY, "--env", "CartPole-v1", "--total_steps", "400"]
 
 
-def fault_once_in_an_actor(monkeypatch, tmp_path, fault):
-    """Makes the first forward pass that an actor process takes after the marker file exists
-    call fault(), once in the whole run (the marker goes with it); returns the marker."""
+def fault_once_in_an_actor(monkeypatch, tmp_path, fault, module=models, name="act"):
+    """Makes the first call of module.name (by default the forward pass) that an actor process
+    makes after the marker file exists call fault(), once in the whole run (the marker goes
+    with it); returns the marker."""
     marker = tmp_path / "fault-marker"
-    learner_pid, act = os.getpid(), models.act
+    learner_pid, original = os.getpid(), getattr(module, name)
 
-    def act_or_fault(*args, **kwargs):
+    def call_or_fault(*args, **kwargs):
         if os.getpid() != learner_pid:
             try:
                 os.unlink(marker)
@@ -30,15 +31,19 @@ def fault_once_in_an_actor(monkeypatch, tmp_path, fault):
                 pass
             else:
                 fault()
-        return act(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(models, "act", act_or_fault)
+    monkeypatch.setattr(module, name, call_or_fault)
     monkeypatch.setattr(restarts, "QUICK_EXIT_S", 0.0)  # the fault comes at the first unroll
     marker.touch()
     return marker
 
 
 def hang_in_the_forward_pass():
+    time.sleep(3600)
+
+
+def hang_in_the_start():
     time.sleep(3600)
 
 
@@ -51,8 +56,24 @@ def test_an_actor_stuck_in_its_forward_pass_prints_its_stack_and_is_started_agai
                            "--actor_timeout_s", "1"]) == 0
     err = capfd.readouterr().err
     assert not marker.exists()
-    assert "Actor process 0 had spent 1 s on one step of its environments and model" in err, err
+    assert "Actor process 0 had spent 1 s on its start or on one step of its environments" in err
     assert "in hang_in_the_forward_pass" in err  # where it hung, from faulthandler
+    assert "(restart 1)" in err and "Trained to step 400" in err + capfd.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_stuck_before_its_first_step_is_found_too(tmp_path, monkeypatch, capfd):
+    """The watchdog's clock runs from the fork, not from the first step: a child that hangs
+    in its start (here in the set-up before its environments exist) would otherwise leave the
+    learner waiting on its first batch for ever."""
+    marker = fault_once_in_an_actor(monkeypatch, tmp_path, hang_in_the_start,
+                                    module=restarts, name="when_orphaned")
+    assert monobeast.main([*CARTPOLE, "--savedir", str(tmp_path), "--xpid", "r",
+                           "--actor_timeout_s", "1"]) == 0
+    err = capfd.readouterr().err
+    assert not marker.exists()
+    assert "Actor process 0 had spent 1 s on its start or on one step" in err, err
+    assert "in hang_in_the_start" in err
     assert "(restart 1)" in err and "Trained to step 400" in err + capfd.readouterr().out
 
 
