@@ -27,6 +27,7 @@ process and its failures) are beast/poly/. Run `python -m polybeast --help` for 
 
 import argparse
 import sys
+import time
 
 import numpy as np
 import torch
@@ -67,6 +68,12 @@ def make_parser():
         help="How the acting process starts: fork (the default with the "
              "learner on the CPU: it starts at once) or spawn (the default with "
              "a CUDA learner, whose fork could not use CUDA).")
+    groups.operations.add_argument(
+        "--acting_timeout_s", type=beast_flags.Number(float, low=0), default=60.0,
+        help="Kill and start the acting process again when it has spent this long on its "
+             "start or on one inference batch (a deadlock, a stuck forward pass); its Python "
+             "stacks are printed first. Env servers that hang are --stream_timeout_s's. "
+             "0: never.")
     groups.operations.add_argument(
         "--inference_batch_size", type=beast_flags.Number(int, low=1), default=None,
         help="Most actor requests in one inference forward pass "
@@ -159,15 +166,18 @@ def to_torch(array, device):
 
 
 def inference(index, inference_batcher, acting_model, weights_step, schema, device,
-              torch_threads=1):
+              busy_since, torch_threads=1):
     """Inference thread: answers batches of actor requests until the batcher closes.
 
     A batch holds one step of B actors: env_outputs arrays are [T=1, B, ...]
     and the agent state arrays [layers, B, hidden]. obs[t] -> action[t]. Every
-    output of the model goes back: each is a field of the rollout.
+    output of the model goes back: each is a field of the rollout. busy_since: this
+    thread's clock for the learner's watchdog (--acting_timeout_s), 0 while it waits.
     """
     system.set_intra_op_threads(torch_threads)
+    busy_since.value = 0.0  # started: from here only a batch counts
     for batch in inference_batcher:
+        busy_since.value = time.time()
         env_outputs, agent_state = batch.get_inputs()
         check_env_outputs(schema, env_outputs)
         inputs = {k: to_torch(v, device) for k, v in env_outputs.items()}
@@ -180,6 +190,7 @@ def inference(index, inference_batcher, acting_model, weights_step, schema, devi
         agent_outputs[rollout.POLICY_STEP.name] = np.full(
             env_outputs["reward"].shape, acted_with, np.int64)
         batch.set_outputs((agent_outputs, tuple(s.cpu().numpy() for s in state)))
+        busy_since.value = 0.0
 
 
 def check_env_outputs(schema, env_outputs):
@@ -246,17 +257,19 @@ def create_actor_pool(flags, schema, acting_model, addresses):
     return learner_queue, inference_batcher, actor_pool
 
 
-def start_acting(errors, flags, schema, acting_model, weights_step, addresses, device):
+def start_acting(errors, flags, schema, acting_model, weights_step, addresses, device,
+                 busy_since):
     """Starts the actor pool's thread and the inference threads; returns (learner_queue,
     the queues to close at the end, the started threads, the actor pool). errors: the
     training.ThreadErrors that keeps their exceptions; weights_step: the learner step of the
-    acting model's weights (learner.Learner.weights_step)."""
+    acting model's weights (learner.Learner.weights_step); busy_since: a clock per inference
+    thread (acting_process.ActorPoolProcess.check)."""
     learner_queue, inference_batcher, actor_pool = create_actor_pool(
         flags, schema, acting_model, addresses)
     threads = [errors.thread("actor-pool", run_actor_pool, actor_pool, addresses, flags)]
     threads += [errors.thread(f"inference-{i}", inference, i, inference_batcher, acting_model,
-                              weights_step, schema, device, flags.inference_torch_threads,
-                              on_error=inference_batcher.close)
+                              weights_step, schema, device, busy_since[i],
+                              flags.inference_torch_threads, on_error=inference_batcher.close)
                 for i in range(flags.num_inference_threads)]
     for thread in threads:
         thread.start()

@@ -1,6 +1,7 @@
-"""MonoBeast's watchdog over its actor processes (beast/actor_processes.py): an actor that
-stops making progress anywhere in its work, or that ends before it is told to, is found, and
-the actors are started again, so that the learner never waits for ever on a rollout."""
+"""The watchdogs over the processes that act: MonoBeast's actor processes
+(beast/actor_processes.py) and PolyBeast's acting process (beast/poly/acting_process.py). One
+that stops making progress anywhere in its work, or that ends before it is told to, is found
+and started again, so that the learner never waits for ever on a rollout."""
 
 import os
 import re
@@ -9,6 +10,7 @@ import time
 import pytest
 
 import monobeast
+import polybeast
 from beast import models
 from beast import restarts
 
@@ -17,9 +19,9 @@ CARTPOLE = [*TINY, "--env", "CartPole-v1", "--total_steps", "400"]
 
 
 def fault_once_in_an_actor(monkeypatch, tmp_path, fault, module=models, name="act"):
-    """Makes the first call of module.name (by default the forward pass) that an actor process
-    makes after the marker file exists call fault(), once in the whole run (the marker goes
-    with it); returns the marker."""
+    """Makes the first call of module.name (by default the forward pass) that a process forked
+    from the learner (an actor, PolyBeast's acting process) makes after the marker file exists
+    call fault(), once in the whole run (the marker goes with it); returns the marker."""
     marker = tmp_path / "fault-marker"
     learner_pid, original = os.getpid(), getattr(module, name)
 
@@ -111,3 +113,34 @@ def test_check_actors_counts_every_end_as_a_death(exitcode, words):
     restarts.check_actors([running])
     with pytest.raises(restarts.ActorDied, match=re.escape(words)):
         restarts.check_actors([running, ended])
+
+
+# PolyBeast with one local server; its acting process is forked (a CPU learner), so the
+# fault that the test puts in place reaches it.
+POLY_CARTPOLE = ["--env", "CartPole-v1", "--num_actors", "1", "--batch_size", "2",
+                 "--unroll_length", "20", "--total_steps", "400", "--no_progress"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where, module, name", [
+    ("in its forward pass", models, "act"),
+    pytest.param("before its actor pool and inference threads exist", polybeast,
+                 "start_acting", marks=pytest.mark.slow)])
+def test_a_hung_acting_process_prints_its_stacks_and_is_started_again(
+        tmp_path, monkeypatch, capfd, where, module, name):
+    """PolyBeast's acting process stuck in one inference batch (a lock that the fork copied
+    held), or in its start, where the watchdog's clock runs from the fork: without the
+    watchdog the learner would wait for its first, or next, batch for ever."""
+    def hang_in_the_acting_process():
+        time.sleep(3600)
+
+    marker = fault_once_in_an_actor(monkeypatch, tmp_path, hang_in_the_acting_process,
+                                    module=module, name=name)
+    assert polybeast.main([*POLY_CARTPOLE, "--savedir", str(tmp_path), "--xpid", "r",
+                           "--acting_timeout_s", "1"]) == 0, where
+    err = capfd.readouterr().err
+    assert not marker.exists()
+    assert ("The acting process (actor threads and inference) had spent 1 s on its start or "
+            "on one inference batch (--acting_timeout_s)") in err, err
+    assert "in hang_in_the_acting_process" in err, err  # where it hung, from faulthandler
+    assert "(restart 1)" in err and "Trained to step 400" in err + capfd.readouterr().out

@@ -4,6 +4,7 @@ shared-memory slots that carry its batches to the learner."""
 
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -11,6 +12,7 @@ import time
 import torch
 from torch import multiprocessing as mp
 
+from beast import actor_processes
 from beast import restarts
 from beast import system
 from beast import training
@@ -82,12 +84,18 @@ class ActorPoolProcess:
             self.free_writer.send(index)
         self.threads = []  # check() watches the process
         self.acting_model, self.env_errors_before = acting_model, env_errors_before
+        self.timeout_s = flags.acting_timeout_s
+        # When each inference thread began its batch (0: waiting for one); lock-free, one
+        # writer each, as MonoBeast's actors' (a killed process must not leave a lock held).
+        # The clock runs from the start: the process can hang before its threads exist.
+        self.busy_since = [context.RawValue("d", time.time())
+                           for _ in range(flags.num_inference_threads)]
         self.started = time.monotonic()
         self.process = context.Process(
             target=run_acting_process, name="acting", daemon=True,
             args=(start_acting, flags, run.schema, acting_model, run.learner.weights_step,
                   addresses, self.slots, free_reader, full_writer, error_writer,
-                  self.error_count, self.stopping, os.getpid(), run.device))
+                  self.error_count, self.stopping, os.getpid(), run.device, self.busy_since))
         self.process.start()
 
     def env_errors(self):
@@ -125,12 +133,27 @@ class ActorPoolProcess:
         return None
 
     def check(self):
-        """Raises what went wrong in the acting process (its message), or that it died."""
+        """Raises what went wrong in the acting process (its message), or ActingDied when it
+        died, or hangs in its start or in one inference batch (its stacks are printed, then
+        it is killed)."""
         if self.error_reader.poll():
             user_error, message = self.error_reader.recv()
             raise (training.UserError if user_error else RuntimeError)(message)
         if self.process.exitcode is not None:
             raise ActingDied(self.process.exitcode)
+        hung_s = self.hung_for()
+        if self.timeout_s > 0 and hung_s > self.timeout_s:
+            actor_processes.print_stack_of(self.process)
+            self.process.kill()
+            self.process.join(JOIN_TIMEOUT_S)
+            raise ActingDied(-signal.SIGKILL, hung_s=hung_s)
+
+    def hung_for(self):
+        """Seconds the longest-busy inference thread has spent on its batch (or the process
+        on its start); 0 when every one waits for a batch."""
+        now = time.time()
+        return max((now - since for since in (v.value for v in self.busy_since) if since > 0),
+                   default=0.0)
 
     def close(self):
         """Asks the process to stop; kills it if it has not within JOIN_TIMEOUT_S. Then no
@@ -149,10 +172,14 @@ class ActingDied(RuntimeError):
     """The acting process ended before it was told to: killed (the OOM killer), or it
     exited, which it does only when told to or after sending its error."""
 
-    def __init__(self, exitcode):
+    def __init__(self, exitcode, hung_s=None):
         self.exitcode = exitcode
-        super().__init__(f"The acting process (actor threads and inference) "
-                         f"{restarts.how_it_ended(exitcode)} while the run went on.")
+        if hung_s is None:
+            how = f"{restarts.how_it_ended(exitcode)} while the run went on"
+        else:
+            how = (f"had spent {hung_s:.0f} s on its start or on one inference batch "
+                   "(--acting_timeout_s); its stacks are above, and it was killed")
+        super().__init__(f"The acting process (actor threads and inference) {how}.")
 
 
 def create_slot(flags, schema, acting_model):
@@ -166,16 +193,18 @@ def create_slot(flags, schema, acting_model):
 
 def run_acting_process(start_acting, flags, schema, acting_model, weights_step, addresses, slots,
                        free_reader, full_writer, error_writer, error_count, stopping, parent,
-                       device):
+                       device, busy_since):
     """The acting process's main thread: starts the actor pool, inference (on device, the
     learner's) and the thread that fills the slots, then watches them until the learner asks
-    it to stop, the learner is gone, or one of them fails (its message goes to the learner)."""
+    it to stop, the learner is gone, or one of them fails (its message goes to the learner).
+    busy_since: one clock per inference thread for the learner's watchdog (check)."""
     system.leave_stop_signals_to_the_learner()
     system.name_os_thread("acting")
+    actor_processes.print_stack_when_hung()
     torch.set_num_threads(1)
     errors = training.ThreadErrors()
     learner_queue, queues, threads, actor_pool = start_acting(
-        errors, flags, schema, acting_model, weights_step, addresses, device)
+        errors, flags, schema, acting_model, weights_step, addresses, device, busy_since)
     threads.append(errors.thread("fill-slots", fill_slots, learner_queue, slots, free_reader,
                                  full_writer, stopping))
     threads[-1].start()
