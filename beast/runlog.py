@@ -290,6 +290,31 @@ def _quiet_tensorboard_thread(args, _usual=threading.excepthook):
     _usual(args)
 
 
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def wait_for_a_later_event_file_name(tb_dir):
+    """Sleeps until the second of the clock is past the one in every event file's name in
+    tb_dir. TensorBoard reads a run's event files in the order of their names, which start
+    with the second they were created in and go on with the host, the pid and a counter
+    that are not in the order of creation ("10" sorts before "9"): a resume's file made in
+    the same second as the earlier start's could be read before it, and its purge of the
+    earlier events past the checkpoint would then come too early to hide them."""
+    try:
+        names = os.listdir(tb_dir)
+    except FileNotFoundError:
+        return
+    seconds = []
+    for name in names:
+        if name.startswith(EVENT_FILE_PREFIX):
+            try:
+                seconds.append(int(name[len(EVENT_FILE_PREFIX):].split(".")[0]))
+            except ValueError:
+                pass
+    if seconds:
+        time.sleep(max(0.0, max(seconds) + 1 - time.time()))
+
+
 class StatsLogger:
     """Appends stats to logs.csv and to TensorBoard.
 
@@ -340,6 +365,8 @@ class StatsLogger:
 
             # Events of the earlier start past the checkpoint are hidden from TensorBoard
             # (its readers drop those at and after purge_step when this writer starts).
+            if start_step is not None:
+                wait_for_a_later_event_file_name(run_dir.tb_dir)
             self._tb = SummaryWriter(
                 log_dir=run_dir.tb_dir,
                 purge_step=None if start_step is None else int(start_step) + 1)

@@ -203,11 +203,16 @@ def test_a_resume_sets_aside_the_rows_logged_after_its_checkpoint(tmp_path, caps
     assert [r["step"] for r in runlog.read_logs(aside)] == [10, 20, 30, 40, 50, 60]
 
 
-def test_a_resume_hides_the_tensorboard_events_after_its_checkpoint(tmp_path):
+def test_a_resume_hides_the_tensorboard_events_after_its_checkpoint(tmp_path, monkeypatch):
     """TensorBoard reads one value per step: the killed start's events past the checkpoint
-    are purged when the resumed start's writer begins."""
+    are purged when the resumed start's writer begins. Its event files are read in the order
+    of their names, whose counter field here goes from 9 to 10, which sorts first: only a
+    resume's file made in a later second than the earlier start's is read after it."""
     from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.summary.writer import event_file_writer
 
+    counter = iter(range(9, 100))
+    monkeypatch.setattr(event_file_writer._global_uid, "get", lambda: next(counter))
     run_dir = runlog.RunDir(tmp_path, "exp")
     with runlog.StatsLogger(run_dir) as logger:
         for step in (10, 20, 30, 40, 50):
