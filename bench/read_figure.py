@@ -162,6 +162,8 @@ def main(argv=None):
                    if getattr(flags, name) is None]
         if missing:
             raise ValueError(f"give {', '.join(missing)} (or --grid to find the grid lines)")
+        if not 0 <= flags.tolerance <= 255:
+            raise ValueError(f"--tolerance {flags.tolerance}: give 0-255 (a channel's range)")
         x_axis, y_axis = Axis(flags.x), Axis(flags.y)
         at = [float(v) for v in flags.at.split(",")]
         readings = read_curve(image, box, parse_colour(flags.colour), x_axis, y_axis, at,

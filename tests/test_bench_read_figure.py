@@ -109,6 +109,9 @@ def test_the_command_reads_the_curve_and_refuses_bad_input(figure, capsys):
                              "--colour", "85,168,104", "--at", "4e6"]) == 0
     value = float(capsys.readouterr().out.splitlines()[-1].split("|")[1])
     assert value == pytest.approx(mean_curve(4e6), abs=3)
+    assert read_figure.main([str(path), "--box", box_flag, "--x", x, "--y", y, "--colour",
+                             "85,168,104", "--at", "4e6", "--tolerance", "-1"]) == 2
+    assert "--tolerance -1: give 0-255" in capsys.readouterr().err
     assert read_figure.main([str(path), "--box", box_flag, "--x", x]) == 2
     assert "give --y, --colour, --at" in capsys.readouterr().err
     assert read_figure.main([str(path), "--box", "10,10,5,5", "--grid"]) == 2
