@@ -42,14 +42,20 @@ def load_rgb(path):
 
 def parse_box(text):
     """'x0,y0,x1,y1' (pixels, corners included) -> (x0, y0, x1, y1) with x0 < x1, y0 < y1."""
-    x0, y0, x1, y1 = (int(v) for v in text.split(","))
+    try:
+        x0, y0, x1, y1 = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--box {text}: give four whole pixel numbers, X0,Y0,X1,Y1") from None
     if x0 >= x1 or y0 >= y1:
         raise ValueError(f"--box {text}: give the top-left corner first, then the bottom-right")
     return x0, y0, x1, y1
 
 
 def parse_colour(text):
-    rgb = tuple(int(v) for v in text.split(","))
+    try:
+        rgb = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        rgb = ()
     if len(rgb) != 3 or not all(0 <= v <= 255 for v in rgb):
         raise ValueError(f"--colour {text}: give R,G,B, each 0-255")
     return rgb
@@ -60,8 +66,12 @@ class Axis:
 
     def __init__(self, text):
         """text: 'PX=VALUE,PX=VALUE', e.g. '102=0,378=50e6'."""
-        pairs = [tuple(float(v) for v in pair.split("=")) for pair in text.split(",")]
-        if len(pairs) != 2 or pairs[0][0] == pairs[1][0] or pairs[0][1] == pairs[1][1]:
+        try:
+            pairs = [tuple(float(v) for v in pair.split("=")) for pair in text.split(",")]
+        except ValueError:
+            pairs = []
+        if (len(pairs) != 2 or any(len(pair) != 2 for pair in pairs)
+                or pairs[0][0] == pairs[1][0] or pairs[0][1] == pairs[1][1]):
             raise ValueError(f"{text!r}: give two grid lines as PX=VALUE,PX=VALUE, at different "
                              "pixels and values")
         (self.p0, self.v0), (p1, v1) = pairs

@@ -112,6 +112,13 @@ def test_the_command_reads_the_curve_and_refuses_bad_input(figure, capsys):
     assert read_figure.main([str(path), "--box", box_flag, "--x", x, "--y", y, "--colour",
                              "85,168,104", "--at", "4e6", "--tolerance", "-1"]) == 2
     assert "--tolerance -1: give 0-255" in capsys.readouterr().err
+    for flag, value, words in [("--colour", "green", "give R,G,B"),
+                               ("--x", "1=0", "give two grid lines"),
+                               ("--box", "a,b,c,d", "four whole pixel numbers")]:
+        args = {"--box": box_flag, "--x": x, "--y": y, "--colour": "85,168,104", "--at": "4e6",
+                flag: value}
+        assert read_figure.main([str(path), *[v for kv in args.items() for v in kv]]) == 2
+        assert words in capsys.readouterr().err
     assert read_figure.main([str(path), "--box", box_flag, "--x", x]) == 2
     assert "give --y, --colour, --at" in capsys.readouterr().err
     assert read_figure.main([str(path), "--box", "10,10,5,5", "--grid"]) == 2
