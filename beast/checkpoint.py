@@ -209,4 +209,4 @@ def merge_saved_flags(flags, saved, given):
 # value that keeps such a run doing what it did: a resume must not change its loss, its
 # learning-rate schedule or its network midway.
 BEFORE_THE_FLAG = {"pg_clip": 0.0, "reward_scale": 1.0, "lr_warmup_steps": 0, "init": "torch",
-                   "channels": [16, 32, 32]}
+                   "channels": [16, 32, 32], "normalize_rewards": False}

@@ -55,6 +55,7 @@ ATARI_DEFAULTS = dict(
     episodic_life=False,
     discounting=0.99,
     reward_scale=1.0,
+    normalize_rewards=False,
     precision="auto",
     acting_precision="auto",
 )
@@ -86,6 +87,7 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.99,
         reward_scale=1.0,
+        normalize_rewards=False,
         precision="fp32",
         acting_precision="fp32",
     ),
@@ -108,6 +110,7 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.99,
         reward_scale=0.1,
+        normalize_rewards=False,
         precision="fp32",
         acting_precision="fp32",
     ),
@@ -130,6 +133,7 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.9,
         reward_scale=0.1,
+        normalize_rewards=False,
         precision="fp32",
         acting_precision="fp32",
     ),
@@ -154,6 +158,7 @@ ENV_DEFAULTS = {
         episodic_life=False,
         discounting=0.999,
         reward_scale=0.1,
+        normalize_rewards=False,
         precision="fp32",
         acting_precision="fp32",
     ),
@@ -514,6 +519,13 @@ def _add_loss_flags(groups):
                        help="Multiply rewards by this for learning, before --reward_clipping; "
                             "the logged returns stay the environment's "
                             f"(default: {_env_default('reward_scale')}).")
+    group.add_argument("--normalize_rewards", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="Divide rewards for learning by the standard deviation of every "
+                            "reward the learner has seen so far, as the NLE paper's baseline "
+                            "does, before --reward_scale and --reward_clipping; the logged "
+                            "returns stay the environment's (default: "
+                            f"{_env_default('normalize_rewards')}).")
 
 
 def _add_optimizer_flags(groups):

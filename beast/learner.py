@@ -13,6 +13,7 @@ import torch
 from beast import distributed
 from beast import loss
 from beast import policies
+from beast import reward_normalization
 from beast import rollout
 
 
@@ -186,9 +187,13 @@ class Learner:
         self.skipped_updates = 0  # non-finite updates, all told
         self.skipped_in_a_row = 0
         self.lock = threading.Lock()
+        # --normalize_rewards: each rank keeps the statistics of its own batches.
+        self.rewards = reward_normalization.RewardNormalizer() if flags.normalize_rewards else None
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model_state_dict"])
             self.step = int(checkpoint["step"])
+            if self.rewards is not None and "reward_normalizer" in checkpoint:
+                self.rewards.load_state_dict(checkpoint["reward_normalizer"])
         if self.ranks.is_distributed:
             # The same starting weights on every rank, whatever its seed.
             model.load_state_dict(self.ranks.share(self.weights()))
@@ -222,6 +227,8 @@ class Learner:
             if self.step >= self.flags.total_steps:
                 return self.step, None
             average = self.ranks.average_gradients if self.ranks.is_distributed else None
+            if self.rewards is not None:
+                batch = self.rewards.normalized(batch)
             applied = 0
             for _ in range(self.flags.epochs):
                 stats = learn_step(self.flags, self.model, self.optimizer, batch,
@@ -244,6 +251,8 @@ class Learner:
                 self._publish()
             stats["skipped_updates"] = self.skipped_updates
             stats["learning_rate"] = self.scheduler.get_last_lr()[0]
+            if self.rewards is not None:
+                stats["reward_std"] = self.rewards.std()
             return self.step, stats
 
     def _skipped(self, stats):
@@ -262,10 +271,13 @@ class Learner:
     def state_dict(self):
         """The learner's part of a checkpoint."""
         with self.lock:
-            return dict(model_state_dict=self.model.state_dict(),
-                        optimizer_state_dict=self.optimizer.state_dict(),
-                        scheduler_state_dict=self.scheduler.state_dict(),
-                        step=self.step)
+            state = dict(model_state_dict=self.model.state_dict(),
+                         optimizer_state_dict=self.optimizer.state_dict(),
+                         scheduler_state_dict=self.scheduler.state_dict(),
+                         step=self.step)
+            if self.rewards is not None:
+                state["reward_normalizer"] = self.rewards.state_dict()
+            return state
 
 
 def policy_lag(batch, step, steps_per_update):
