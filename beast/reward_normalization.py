@@ -14,6 +14,8 @@ from it.
 
 import math
 
+import torch
+
 # Added to the variance, as Gymnasium's NormalizeReward does, so that a run whose rewards
 # so far are all equal (no success yet among constant penalties) divides by at most
 # 1 / sqrt(VARIANCE_FLOOR) and never by zero.
@@ -33,8 +35,11 @@ class RewardNormalizer:
 
     def update(self, rewards):
         """Adds float rewards (any shape) to the statistics; Chan et al.'s merge of two sets'
-        moments, so that the result is the variance of every reward seen, in float64."""
+        moments, so that the result is the variance of every finite reward seen, in float64."""
         rewards = rewards.detach().double()
+        # A non-finite reward is left out, so that it costs only its own update (which the
+        # learner skips) and not every later one's statistics.
+        rewards = rewards[torch.isfinite(rewards)]
         count = rewards.numel()
         if count == 0:
             return

@@ -88,3 +88,13 @@ def test_a_resume_goes_on_from_the_saved_statistics():
     off = learner.Learner(make_flags(unroll_length=T, batch_size=B, total_steps=1000,
                                      normalize_rewards=False), TinyModel(), TinyModel())
     assert "reward_normalizer" not in off.state_dict()
+
+
+def test_a_non_finite_reward_is_left_out_of_the_statistics():
+    """An infinite reward costs its own update (skipped by the learner), not the statistics
+    that every later update divides by."""
+    normalizer = reward_normalization.RewardNormalizer()
+    normalizer.normalized(batch_with_rewards([[0.0, 0.0], [1.0, float("inf")], [3.0, float("nan")],
+                                              [5.0, 7.0]]))
+    np.testing.assert_allclose(normalizer.variance, np.var([1.0, 3.0, 5.0, 7.0]), rtol=1e-9)
+    assert normalizer.count == 4
