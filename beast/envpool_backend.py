@@ -32,7 +32,9 @@ def _import_envpool():
 
 
 def create_envpool(flags, num_envs, batch_size=None, seed=None, num_threads=1):
-    """EnvPool's own batched Atari env (Gymnasium API, leading dim = batch), preprocessed as ours.
+    """EnvPool's own batched Atari env (Gymnasium API, leading dim = batch), preprocessed as ours
+    (bench/envpool_frames.py). Its reset presses FIRE for one emulator frame where ours presses
+    it for one agent step, so its games run 3 frames behind ours with the same actions.
 
     Gray 84x84, 4-frame stack, frame skip 4, FIRE on reset, no reward clipping, 27000 steps per
     episode, and flags' episodic_life, noop_max, action set and sticky-action probability.

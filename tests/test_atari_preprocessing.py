@@ -172,3 +172,25 @@ def test_atari_flags_are_refused_for_other_environments(flag, value):
 @pytest.mark.parametrize("flag", ["episodic_life", "full_action_space"])
 def test_an_atari_switch_turned_off_is_what_other_environments_do_and_is_taken(flag):
     envs.create_env(flag_helpers.make_flags(env="CartPole-v1", **{flag: False})).close()
+
+
+@pytest.mark.parametrize("game", ["Pong", "Breakout"])
+def test_frames_rewards_and_ends_are_envpools_given_its_emulator_calls(game):
+    """EnvPool, the env of Cleanba's IMPALA, is an independent implementation of the same
+    preprocessing. Ours differs from it only in which emulator frames it plays at a reset and at
+    a game's end (bench/envpool_frames.py's EnvPoolSequence copies EnvPool's there), so with
+    those calls copied every stack, RAM, clipped reward and done flag must match over random
+    play of all 18 actions, games ending included."""
+    pytest.importorskip("envpool", reason="EnvPool is optional: pip install envpool")
+    from bench import envpool_frames
+
+    actions = np.random.default_rng(0).integers(envpool_frames.NUM_ACTIONS, size=600)
+    ours = envpool_frames.EnvPoolSequence(envpool_frames.make_ours(game, 0.0).unwrapped,
+                                          noop_max=0)
+    rows = envpool_frames.lockstep(ours, envpool_frames.make_envpool(game, 0.0, 0), actions,
+                                   0, game)
+    kinds = {row["kind"] for row in rows}
+    assert "last" in kinds or game == "Pong", "no game ended: nothing checked at a game's end"
+    for key in ("stack_equal", "ram_equal", "rewards_equal", "raw_rewards_equal", "done_equal"):
+        differ = [row["index"] for row in rows if not row[key]]
+        assert not differ, f"{key}: {len(differ)} of {len(rows)} steps differ, first {differ[:5]}"
