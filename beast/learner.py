@@ -24,6 +24,18 @@ def autocast_context(device, precision):
     return contextlib.nullcontext()
 
 
+def forward_loss(flags, model, batch, initial_agent_state):
+    """The learner's forward pass in flags.precision and the loss on it: (total_loss with
+    gradient, loss.compute_loss's stats, the model's outputs as float32)."""
+    device = next(model.parameters()).device
+    with autocast_context(device, flags.precision):
+        learner_outputs, _ = model(batch, initial_agent_state)
+    learner_outputs = {k: v.float() if v.is_floating_point() else v
+                       for k, v in learner_outputs.items()}
+    total_loss, stats = loss.compute_loss(flags, learner_outputs, batch)
+    return total_loss, stats, learner_outputs
+
+
 def learn_step(flags, model, optimizer, batch, initial_agent_state, average_gradients=None):
     """One optimisation step on one batch; the caller moves the learning-rate schedule.
 
@@ -46,12 +58,7 @@ def learn_step(flags, model, optimizer, batch, initial_agent_state, average_grad
       (before clipping) and skipped_update (1.0 when the loss or gradient was not finite
       and the weights and optimizer state were left as they were, else 0.0).
     """
-    device = next(model.parameters()).device
-    with autocast_context(device, flags.precision):
-        learner_outputs, _ = model(batch, initial_agent_state)
-    learner_outputs = {k: v.float() if v.is_floating_point() else v
-                       for k, v in learner_outputs.items()}
-    total_loss, stats = loss.compute_loss(flags, learner_outputs, batch)
+    total_loss, stats, learner_outputs = forward_loss(flags, model, batch, initial_agent_state)
     stats.update(policies.from_fields(learner_outputs, slice(None, -1)).stats())
     optimizer.zero_grad(set_to_none=True)
     total_loss.backward()

@@ -56,7 +56,7 @@ import time
 import torch
 
 import monobeast
-from beast import learner, loss, machine, models, rollout, training
+from beast import learner, machine, models, rollout, training
 
 
 def load_run(savedir, xpid):
@@ -102,13 +102,11 @@ def gradient(flags, model, batch, state, precision, heads_fp32=False):
     """learn_step's loss and gradient without the clipping and the optimizer's step:
     ({parameter name: float32 gradient}, float32 learner outputs, {loss term: float}).
     heads_fp32: the policy and value heads in float32 under bf16 (fp32_heads)."""
-    device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
     heads = fp32_heads(model) if heads_fp32 else contextlib.nullcontext()
-    with heads, learner.autocast_context(device, precision):
-        outputs, _ = model(batch, state)
-    outputs = {k: v.float() if v.is_floating_point() else v for k, v in outputs.items()}
-    total_loss, stats = loss.compute_loss(flags, outputs, batch)
+    with heads:
+        total_loss, stats, outputs = learner.forward_loss(
+            argparse.Namespace(**{**vars(flags), "precision": precision}), model, batch, state)
     total_loss.backward()
     grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for name, p in model.named_parameters()}
