@@ -520,9 +520,10 @@ def test_the_acting_process_acts_with_the_learners_weights(tmp_path, flags):
     finally:
         stop_group(process, signal.SIGKILL)
     assert process.returncode == 0, output(tmp_path, "learner")
-    # Weights that never reached it would lag by more than 20 updates in the second half.
+    # Weights that never reached it would lag by more than 20 updates in the second half; a
+    # machine busy with other tests can delay a fresh copy by about 10.
     rows = logs(run_dir)
-    assert max(float(r["policy_lag"]) for r in rows[len(rows) // 2:]) < 10, rows[-1]
+    assert max(float(r["policy_lag"]) for r in rows[len(rows) // 2:]) < 15, rows[-1]
     assert "Traceback" not in output(tmp_path, "learner")
 
 
