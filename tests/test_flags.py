@@ -141,7 +141,7 @@ def test_help_states_the_env_defaults_table(make_parser):
         # Spot checks of the reader itself, against the values the issue named.
         assert ("(default: 20 Atari, 20 sticky Atari, 20 other images, 80 vector, 20 "
                 "continuous control, 80 NetHack)" in helps["--unroll_length"])
-        assert ("0.0006 Atari, 0.0006 sticky Atari, 0.01 other images, 0.005 vector, 0.0 "
+        assert ("0.0006 Atari, 0.01 sticky Atari, 0.01 other images, 0.005 vector, 0.0 "
                 "continuous control, 0.001 NetHack" in helps["--entropy_cost"])
         assert ("(default: 16,32,32 Atari, 8,16,16 sticky Atari, 16,32,32 other images"
                 in helps["--channels"])
@@ -267,7 +267,8 @@ def test_old_saved_flags_are_brought_up_to_date_in_one_place():
 
 def test_a_sticky_atari_run_saved_with_the_atari_net_resumes_as_it_trained():
     """ALE/*-v5 runs saved while they took the Atari kind's defaults keep their network,
-    batch and loss on a resume under the sticky kind's, also one saved before --channels."""
+    batch and loss (its entropy cost too) on a resume under the sticky kind's, also one
+    saved before --channels."""
     parser = common_parser()
     saved = vars(resumed_flags(parser, [], {}, kind="atari")).copy()
     saved.update(env="ALE/Pong-v5")
@@ -275,8 +276,8 @@ def test_a_sticky_atari_run_saved_with_the_atari_net_resumes_as_it_trained():
         if before_channels:
             del saved["channels"]
         flags = resumed_flags(parser, [], saved, kind="sticky_atari")
-        assert (flags.model, flags.batch_size, flags.pg_clip, flags.channels) == (
-            "atari", 4, 0.0, [16, 32, 32])
+        assert (flags.model, flags.batch_size, flags.pg_clip, flags.channels,
+                flags.entropy_cost) == ("atari", 4, 0.0, [16, 32, 32], 0.0006)
         ckpt.check_compatible(saved, flags)
 
 

@@ -642,8 +642,9 @@ def test_env_defaults_by_observation_kind():
                                  1.0, 5_000_000, "torch", 16)
     assert resolved("atari") == ("atari", 20, 0.00048, 0.01, 0.0006, 8, 40, 0,
                                  1.0, 50_000_000, "orthogonal", 4)
-    # With sticky actions: the narrow ResNet at batches of 8 with the trust region.
-    assert resolved("sticky_atari") == ("resnet", 20, 0.00048, 0.01, 0.0006, 8, 40, 0,
+    # With sticky actions: the narrow ResNet at batches of 8 with the trust region and the
+    # references' entropy cost.
+    assert resolved("sticky_atari") == ("resnet", 20, 0.00048, 0.01, 0.01, 8, 40, 0,
                                         1.0, 50_000_000, "orthogonal", 8)
     flags = monobeast.make_parser().parse_args([])
     beast_flags.apply_env_defaults(flags, "sticky_atari")
