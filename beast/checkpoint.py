@@ -12,6 +12,7 @@ previous checkpoint stays whole until the new one is complete; it is read with
 ``torch.load(..., weights_only=True)``, which only rebuilds tensors and plain types.
 """
 
+import ast
 import os
 import tempfile
 
@@ -177,7 +178,8 @@ def merge_saved_flags(flags, saved, given):
     Every other flag takes its saved value. A flag the saved run lacks (it came later) keeps
     the parser's default, or the env default that apply_env_defaults fills in next, unless
     BEFORE_THE_FLAG names the value that keeps the run doing what it did. A saved flag that
-    the parser no longer has is dropped.
+    the parser no longer has is dropped. The flags of CHOSEN_PER_MACHINE that the run's first
+    command did not type are chosen again, for this machine.
 
     Args:
       flags: the parsed Namespace (changed in place).
@@ -197,12 +199,33 @@ def merge_saved_flags(flags, saved, given):
     for key, value in BEFORE_THE_FLAG.items():
         if key not in saved and key not in given:
             setattr(flags, key, value)
+    typed_then = saved_names(saved.get("typed"))
+    for key in CHOSEN_PER_MACHINE:
+        if typed_then is not None and key not in typed_then and key not in given:
+            setattr(flags, key, None)  # chosen again for this machine, as a new run would
     if "penalty_step" not in saved and "penalty_step" not in given:
         # A NetHack run saved before --penalty_step keeps the penalty it trained with.
         from beast import nethack_env  # numpy and gymnasium only; nle is not imported
 
         flags.penalty_step = nethack_env.registered_penalty_step(saved.get("env", ""))
     return flags
+
+
+# Flags whose default a run chooses for the machine it runs on, not for what it learns. A resume
+# on another machine chooses them again unless the run's first command typed them: bf16 that a
+# CPU without bf16 instructions emulates runs many times slower than float32, and a thread count
+# fits one machine's cores.
+CHOSEN_PER_MACHINE = ("precision", "acting_precision", "num_torch_threads")
+
+
+def saved_names(text):
+    """The set of flag names that flags.json records as str (plain_flags: "{'env', 'seed'}",
+    "set()"), or None where the run saved none."""
+    if text is None:
+        return None
+    if isinstance(text, (set, frozenset, list)):
+        return set(text)
+    return set() if text == "set()" else set(ast.literal_eval(text))
 
 
 # Flags that changed what a run does by default after runs were saved without them, and the
