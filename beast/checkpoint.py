@@ -179,7 +179,7 @@ def merge_saved_flags(flags, saved, given):
     the parser's default, or the env default that apply_env_defaults fills in next, unless
     BEFORE_THE_FLAG names the value that keeps the run doing what it did. A saved flag that
     the parser no longer has is dropped. The flags of CHOSEN_PER_MACHINE that the run's first
-    command did not type are chosen again, for this machine.
+    command did not type are chosen again, for this machine; those it typed stay given.
 
     Args:
       flags: the parsed Namespace (changed in place).
@@ -199,10 +199,18 @@ def merge_saved_flags(flags, saved, given):
     for key, value in BEFORE_THE_FLAG.items():
         if key not in saved and key not in given:
             setattr(flags, key, value)
-    typed_then = saved_names(saved.get("typed"))
+    given_then = saved_names(saved.get("given"))
+    kept = set()
     for key in CHOSEN_PER_MACHINE:
-        if typed_then is not None and key not in typed_then and key not in given:
+        if key in given:
+            continue
+        if given_then is None or key in given_then:
+            kept.add(key)  # typed at the run's start (or saved before "given" was)
+        else:
             setattr(flags, key, None)  # chosen again for this machine, as a new run would
+    if kept and hasattr(flags, "given"):
+        # Given from now on, so that flags.json keeps them for the resumes after this one.
+        flags.given = set(flags.given) | kept
     if "penalty_step" not in saved and "penalty_step" not in given:
         # A NetHack run saved before --penalty_step keeps the penalty it trained with.
         from beast import nethack_env  # numpy and gymnasium only; nle is not imported
@@ -220,7 +228,7 @@ CHOSEN_PER_MACHINE = ("precision", "acting_precision", "num_torch_threads")
 
 def saved_names(text):
     """The set of flag names that flags.json records as str (plain_flags: "{'env', 'seed'}",
-    "set()"), or None where the run saved none."""
+    "set()"), e.g. its "given", or None where the run saved none."""
     if text is None:
         return None
     if isinstance(text, (set, frozenset, list)):

@@ -285,29 +285,35 @@ def test_a_resume_chooses_the_machine_s_flags_again_unless_the_run_typed_them():
     """precision, acting_precision and num_torch_threads fit the machine a run runs on: a
     run saved with bf16 on a CPU with bf16 instructions resumes in float32 on one without
     (emulated bf16 is many times slower), and the reverse; a precision typed at the run's
-    start, or on the resume, stays."""
+    start, or on the resume, stays, also through a later resume that does not type it."""
     parser = common_parser()
     saved = ckpt.plain_flags(resumed_flags(parser, ["--env", "ALE/Pong-v5"], {},
                                            kind="sticky_atari"))
     saved.update(precision="bf16", acting_precision="bf16", num_torch_threads=1,
-                 typed=str({"env"}))
+                 given=str({"env"}))
 
-    def resumed_on(cpu_bf16, argv=(), saved=saved):
+    def resume_on(cpu_bf16, argv=(), saved=saved):
         flags = resumed_flags(parser, list(argv), saved, kind="sticky_atari")
         beast_flags.resolve_precisions(flags, "cpu", cpu_bf16=cpu_bf16)
+        return flags
+
+    def resumed_on(cpu_bf16, argv=(), saved=saved):
+        flags = resume_on(cpu_bf16, argv, saved)
         return flags.precision, flags.acting_precision, flags.num_torch_threads
 
     assert resumed_on("none (emulated)") == ("fp32", "fp32", None)
     saved_without_bf16 = {**saved, "precision": "fp32", "acting_precision": "fp32"}
     assert resumed_on("AMX", saved=saved_without_bf16)[:2] == ("bf16", "bf16")
     assert resumed_on("none (emulated)", ["--precision", "bf16"])[:2] == ("bf16", "fp32")
-    typed_then = {**saved, "typed": str({"env", "precision"})}
+    typed_then = {**saved, "given": str({"env", "precision"})}
     assert resumed_on("none (emulated)", saved=typed_then)[:2] == ("bf16", "fp32")
-    no_flag_typed = {**saved, "typed": "set()"}
-    assert resumed_on("none (emulated)", saved=no_flag_typed)[:2] == ("fp32", "fp32")
-    # A run saved before flags.json recorded what was typed keeps what it saved.
-    before_typed = {k: v for k, v in saved.items() if k != "typed"}
-    assert resumed_on("none (emulated)", saved=before_typed) == ("bf16", "bf16", 1)
+    resumed_once = ckpt.plain_flags(resume_on("AMX", saved=typed_then))
+    assert resumed_on("none (emulated)", saved=resumed_once)[:2] == ("bf16", "fp32")
+    no_flag_given = {**saved, "given": "set()"}
+    assert resumed_on("none (emulated)", saved=no_flag_given)[:2] == ("fp32", "fp32")
+    # A run saved before flags.json recorded what was given keeps what it saved.
+    before_given = {k: v for k, v in saved.items() if k != "given"}
+    assert resumed_on("none (emulated)", saved=before_given) == ("bf16", "bf16", 1)
 
 
 def resumed_flags(parser, argv, saved, kind="vector"):
