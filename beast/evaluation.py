@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from beast import envs
+from beast import runlog
 from beast import vector_envs
 from beast import video
 
@@ -26,7 +27,7 @@ def checked(env_output, env_id):
     return env_output
 
 
-def play_episodes(flags, model, num_episodes, seed, video_paths=()):
+def play_episodes(flags, model, num_episodes, seed, video_paths=(), progress=None):
     """Plays whole games with `model` on fresh environments; returns their returns.
 
     With --eval_policy greedy (the default) the model acts greedily, in eval mode (the argmax
@@ -36,6 +37,7 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
     to end would favour the short ones, and in most games a short game is a poor one.
     Returns are in environment order (the first environment's games first).
     video_paths: MP4 files for the screens of the first games in that order.
+    progress: None, or a GameProgress shown after every step of the environments.
     A game longer than --eval_max_steps is stopped there and counts with its return so far,
     with a warning: a greedy policy can play some games without end (MinAtar's have no time
     limit), and an evaluation that never ends would never be logged.
@@ -47,6 +49,7 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
              for i, (first, share) in enumerate(zip(firsts, shares))]
     model.train(flags.eval_policy == "sample")
     returns = [[] for _ in games]
+    steps = 0
     try:
         outputs = [checked(game.initial(), flags.env) for game in games]
         states = [model.initial_state(1) for _ in games]
@@ -59,10 +62,35 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=()):
                 if record_game_end(flags, outputs[i], returns[i]):
                     outputs[i] = checked(games[i].initial(), flags.env)
                     states[i] = model.initial_state(1)
+            steps += len(playing)
+            if progress is not None:
+                progress.update(steps, [r for env_returns in returns for r in env_returns])
     finally:
         for game in games:
             game.close()
     return [r for env_returns in returns for r in env_returns]
+
+
+class GameProgress(runlog.StatusLine):
+    """--mode test's progress on the status line: the games finished of all, the environment
+    steps played and their rate, the mean return of the finished games. A long test needs it:
+    100 Atari games run to hundreds of thousands of steps, a greedy policy's each to the
+    game's time limit when it stops pressing FIRE."""
+
+    def __init__(self, num_episodes, eval_policy, **kwargs):
+        super().__init__(total_steps=None, label=f"test, {eval_policy}", **kwargs)
+        self.num_episodes = num_episodes
+
+    def update(self, step, returns=()):
+        super().update(step, {"returns": returns})
+
+    def _format(self, step, stats, sps):
+        returns = stats["returns"]
+        parts = [self.label, f"games {len(returns)}/{self.num_episodes}",
+                 f"steps {step:,}", f"SPS {sps:.0f}"]
+        if returns:
+            parts.append(f"mean return so far {np.mean(returns):.2f}")
+        return " | ".join(parts)
 
 
 def game_shares(num_episodes, max_envs):

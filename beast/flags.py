@@ -597,7 +597,8 @@ def _add_logging_flags(group):
                             "warning (a greedy policy can play some games without end; "
                             "MinAtar's have no time limit). 0: no limit.")
     group.add_argument("--no_progress", action="store_true",
-                       help="Do not draw the status line.")
+                       help="Do not draw the status line (training's, or --mode test's games so "
+                            "far).")
     _add_video_and_wandb_flags(group)
 
 

@@ -592,12 +592,17 @@ def test(flags, resolve_flags):
     paths = (video.paths_for_test(run_dir.videos_dir, checkpoint["step"], flags.test_episodes)
              if flags.record_video else [])
     seed = flags.seed + 12345
+    progress = (None if flags.no_progress
+                else evaluation.GameProgress(flags.test_episodes, flags.eval_policy))
     try:
         returns = evaluation.play_episodes(flags, model, flags.test_episodes, seed=seed,
-                                           video_paths=paths)
+                                           video_paths=paths, progress=progress)
     except video.VideoError as e:
         raise UserError(f"{e}; videos finished before it stay in "
                         f"{run_dir.videos_dir}.") from None
+    finally:
+        if progress is not None:
+            progress.close()
     try:
         runlog.record_test(run_dir.tests_path, checkpoint["step"], flags.eval_policy, seed,
                            returns)

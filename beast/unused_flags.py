@@ -10,7 +10,7 @@ from beast import flags as beast_flags
 
 # What --mode test reads: where the run is, how to play its checkpoint, and the environment
 # and model flags (those must match the run's: beast/checkpoint.py check_compatible).
-# --no_progress is taken too: test prints no progress line, and scripts pass it to both modes.
+# --no_progress turns off test's status line as it does training's.
 TEST_FLAGS = frozenset(["mode", "xpid", "savedir", "seed", "num_torch_threads",
                         "test_episodes", "eval_policy", "eval_envs", "eval_max_steps",
                         "record_video", "no_progress", "model", "use_lstm", "hidden_size",

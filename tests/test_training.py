@@ -2,6 +2,7 @@
 
 import argparse
 import copy
+import io
 import os
 import pathlib
 import platform
@@ -11,6 +12,7 @@ import sys
 import threading
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,6 +215,25 @@ def test_a_game_longer_than_eval_max_steps_is_stopped_and_counts_its_return_so_f
     assert capsys.readouterr().err.count("stopped at --eval_max_steps 3,") == 3
     flags.eval_max_steps = 0  # no limit: whole games
     assert min(evaluation.play_episodes(flags, RecordsMode(), num_episodes=3, seed=0)) > 3
+
+
+def test_a_test_shows_its_games_so_far_on_the_status_line():
+    """--mode test's status line counts the finished games, the steps played and the mean
+    return of the finished games, so that a test of many long games shows it is playing."""
+    stream, now = io.StringIO(), iter(range(10**6))  # a second a call: a line each step
+    progress = evaluation.GameProgress(4, "greedy", stream=stream, interval=0.5,
+                                       clock=lambda: float(next(now)))
+    flags = flag_helpers.make_flags(env="CartPole-v1", eval_policy="greedy", eval_envs=2)
+    returns = evaluation.play_episodes(flags, RecordsMode(), num_episodes=4, seed=0,
+                                       progress=progress)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("test, greedy | games 0/4 | steps 2 | SPS ")
+    assert "mean return" not in lines[0]
+    steps = sum(returns)  # CartPole pays 1 a step
+    last = f"test, greedy | games 4/4 | steps {steps:,.0f} | SPS "
+    assert lines[-1].startswith(last) and f"mean return so far {np.mean(returns):.2f}" in lines[-1]
+    counts = [int(line.split("games ")[1].split("/")[0]) for line in lines]
+    assert counts == sorted(counts) and len(set(counts)) == 5
 
 
 def value_of(model, observation):
