@@ -64,7 +64,7 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=(), progress=Non
                     states[i] = model.initial_state(1)
             steps += len(playing)
             if progress is not None:
-                progress.update(steps, [r for env_returns in returns for r in env_returns])
+                progress.update(steps, returns)
     finally:
         for game in games:
             game.close()
@@ -74,18 +74,18 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=(), progress=Non
 class GameProgress(runlog.StatusLine):
     """--mode test's progress on the status line: the games finished of all, the environment
     steps played and their rate, the mean return of the finished games. A long test needs it:
-    100 Atari games run to hundreds of thousands of steps, a greedy policy's each to the
-    game's time limit when it stops pressing FIRE."""
+    100 Atari games run to hundreds of thousands of steps."""
 
     def __init__(self, num_episodes, eval_policy, **kwargs):
         super().__init__(total_steps=None, label=f"test, {eval_policy}", **kwargs)
         self.num_episodes = num_episodes
 
-    def update(self, step, returns=()):
-        super().update(step, {"returns": returns})
+    def update(self, step, returns_per_env=()):
+        """returns_per_env: each environment's list of returns, read only when a line is due."""
+        super().update(step, {"returns_per_env": returns_per_env})
 
     def _format(self, step, stats, sps):
-        returns = stats["returns"]
+        returns = [r for env_returns in stats["returns_per_env"] for r in env_returns]
         parts = [self.label, f"games {len(returns)}/{self.num_episodes}",
                  f"steps {step:,}", f"SPS {sps:.0f}"]
         if returns:
