@@ -73,8 +73,8 @@ def play_episodes(flags, model, num_episodes, seed, video_paths=(), progress=Non
 
 class GameProgress(runlog.StatusLine):
     """--mode test's progress on the status line: the games finished of all, the environment
-    steps played and their rate, the mean return of the finished games. A long test needs it:
-    100 Atari games run to hundreds of thousands of steps."""
+    steps played and their rate, the mean return of the finished games, so that a test of
+    many long games (Atari's, on one core) shows how far it has got."""
 
     def __init__(self, num_episodes, eval_policy, **kwargs):
         super().__init__(total_steps=None, label=f"test, {eval_policy}", **kwargs)
