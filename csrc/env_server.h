@@ -275,8 +275,18 @@ class EnvServer {
     return accepted;
   }
 
-  // One Python adapter; every method takes the GIL itself.
+  // One Python adapter; every method takes the GIL itself. A Session lives on
+  // one thread, its stream's, from start to end.
   class Session {
+    // This thread's Python thread state, kept for the whole stream (declared
+    // first: made before and freed after everything else). Without it every
+    // call would make and free one, and CPython 3.11 takes its runtime lock for
+    // that without the GIL: a fork() at that moment in another thread (a
+    // subprocess with preexec_fn, a forked actor) copies the lock held, and
+    // the child blocks on it forever before it can exec.
+    py::gil_scoped_acquire thread_state_;
+    py::gil_scoped_release gil_released_;  // keeps the thread state
+
    public:
     // envs_per_stream: what the client asked for; nullopt if it did not ask.
     Session(EnvServer* server, std::optional<int64_t> envs_per_stream)
